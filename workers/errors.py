@@ -1,0 +1,29 @@
+"""How a tool reports a result that is not ``ok``: raise one of these; the runtime maps it."""
+
+from __future__ import annotations
+
+
+class ToolError(Exception):
+    """The tool ran and failed (file not found, old_string not unique...): status ``error``."""
+
+    status = "error"
+
+
+class Denied(ToolError):
+    """The path resolves outside the workspace (through .. or a symlink): status ``denied``."""
+
+    status = "denied"
+
+
+class OutputLimitExceeded(ToolError):
+    """The tool produced more than max_output_bytes: status ``output_limit``."""
+
+    status = "output_limit"
+
+
+class LimitExceeded(ToolError):
+    """A resource limit (memory, file size...) stopped the tool; ``limit`` names it."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit

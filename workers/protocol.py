@@ -1,0 +1,118 @@
+"""The wire protocol between the coordinator, the template process and the workers.
+
+Two channels, one message family:
+
+* coordinator <-> worker: ZeroMQ (ROUTER in the coordinator, one DEALER per worker) on an
+  ipc:// endpoint in the pool's private runtime directory. A worker announces itself with
+  ``Ready``, receives exactly one ``Call`` and answers with exactly one ``Result``.
+* coordinator <-> template: a SOCK_SEQPACKET socketpair. The template must stay
+  single-threaded so that forking it is safe, and a ZeroMQ context starts I/O threads, so this
+  channel is a plain socket. The coordinator asks for ``Spawn``; the template reports each
+  ``Spawned`` worker (with its pid as the coordinator sees it) and each ``Exited`` one.
+
+Every message is a tagged msgspec Struct carrying ``v``, the protocol version. Rules from
+msgspec's schema-evolution guide: new fields get defaults and go last; a field's type never
+changes. Encoders and decoders are built once per process (module level below).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+#: Largest message either side accepts; anything bigger is dropped by ZeroMQ before decoding.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Resource limits applied to one call's worker with setrlimit (None: inherit)."""
+
+    address_space_bytes: int | None = None
+    cpu_seconds: int | None = None
+    open_files: int | None = None
+    file_size_bytes: int | None = None
+
+
+class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a call runs with. Each call gets its own: parallel calls never share one."""
+
+    call_id: str
+    workspace: str
+    cwd: str
+    env: dict[str, str]
+    limits: Limits = Limits()
+    max_output_bytes: int = 1024 * 1024
+
+
+class Message(msgspec.Struct, tag=True, kw_only=True):
+    v: int = PROTOCOL_VERSION
+
+
+# -- coordinator <-> worker ----------------------------------------------------------------
+
+
+class Ready(Message, tag="ready"):
+    """A freshly forked worker has connected and waits for its one call."""
+
+    token: str
+
+
+class Call(Message, tag="call"):
+    tool: str
+    args: dict[str, Any]
+    context: ExecutionContext
+
+
+class Result(Message, tag="result"):
+    """The tool finished. ``status`` is one of ok, error, denied, output_limit."""
+
+    call_id: str
+    status: str
+    value: dict[str, Any] | None = None
+    error: str | None = None
+    limit: str | None = None
+
+
+WorkerMessage = Ready | Result
+CoordinatorMessage = Call
+
+
+# -- coordinator <-> template ----------------------------------------------------------------
+
+
+class Spawn(Message, tag="spawn"):
+    count: int
+
+
+class Shutdown(Message, tag="shutdown"):
+    pass
+
+
+class Spawned(Message, tag="spawned"):
+    token: str
+    pid: int
+
+
+class Exited(Message, tag="exited"):
+    """A worker was reaped. ``returncode`` follows subprocess: negative means killed by -N."""
+
+    pid: int
+    returncode: int
+
+
+class TemplateReady(Message, tag="template_ready"):
+    pid: int
+    containment: str
+
+
+ToTemplate = Spawn | Shutdown
+FromTemplate = Spawned | Exited | TemplateReady
+
+encoder = msgspec.msgpack.Encoder()
+worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+call_decoder = msgspec.msgpack.Decoder(CoordinatorMessage)
+to_template_decoder = msgspec.msgpack.Decoder(ToTemplate)
+from_template_decoder = msgspec.msgpack.Decoder(FromTemplate)

@@ -1,0 +1,126 @@
+"""The seven tools' arguments: the single source of truth for validation and JSON Schemas.
+
+Each tool's arguments are a msgspec Struct. The coordinator converts a call's ``args`` dict to
+it before anything is forked (a bad argument is an ``error`` outcome, not a crash), the worker
+converts again on its side, and ``tool_schemas()`` derives the JSON Schema an LLM tool
+definition needs from the same classes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+
+class ToolArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+Path = Annotated[
+    str, Meta(description="Path relative to the call's cwd, or absolute inside the workspace.")
+]
+
+
+class ReadArgs(ToolArgs):
+    """Read a text file, optionally a window of its lines."""
+
+    path: Path
+    offset: Annotated[int, Meta(ge=0, description="First line to return, 0-based.")] = 0
+    limit: Annotated[int | None, Meta(description="Most lines to return (None: all).")] = None
+
+
+class WriteArgs(ToolArgs):
+    """Create or replace a file with the given content, atomically."""
+
+    path: Path
+    content: Annotated[str, Meta(description="The file's new content.")]
+
+
+class EditArgs(ToolArgs):
+    """Replace an exact string in a file, atomically."""
+
+    path: Path
+    old_string: Annotated[str, Meta(min_length=1, description="Exact text to replace.")]
+    new_string: Annotated[str, Meta(description="Replacement text.")]
+    replace_all: Annotated[
+        bool, Meta(description="Replace every occurrence; otherwise old_string must be unique.")
+    ] = False
+
+
+class LsArgs(ToolArgs):
+    """List a directory's entries."""
+
+    path: Path = "."
+
+
+class GrepArgs(ToolArgs):
+    """Search file contents with a regular expression."""
+
+    pattern: Annotated[str, Meta(description="Python regular expression.")]
+    path: Path = "."
+    glob: Annotated[
+        str | None, Meta(description="Only search files whose path matches this glob.")
+    ] = None
+    ignore_case: bool = False
+    # The bound goes on the int alone: msgspec refuses `ge` on a union with None.
+    max_results: Annotated[
+        Annotated[int, Meta(ge=1)] | None, Meta(description="Stop after this many matches.")
+    ] = None
+
+
+class FindArgs(ToolArgs):
+    """Find paths matching a glob (``**`` matches any number of directories)."""
+
+    pattern: Annotated[str, Meta(description="Glob relative to path, e.g. '**/*.py'.")]
+    path: Path = "."
+
+
+class BashArgs(ToolArgs):
+    """Run a shell command with bash -c in a scrubbed environment."""
+
+    command: Annotated[str, Meta(min_length=1, description="The command line.")]
+
+
+TOOL_ARGS: dict[str, type[ToolArgs]] = {
+    "read": ReadArgs,
+    "write": WriteArgs,
+    "edit": EditArgs,
+    "ls": LsArgs,
+    "grep": GrepArgs,
+    "find": FindArgs,
+    "bash": BashArgs,
+}
+
+#: Tools whose effects outlive the call: their journal intent is made durable before they run.
+SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash"})
+
+
+class UnknownTool(ValueError):
+    pass
+
+
+def parse_args(tool: str, args: Any) -> ToolArgs:
+    """Validate ``args`` for ``tool``; raise UnknownTool or msgspec.ValidationError."""
+    try:
+        args_type = TOOL_ARGS[tool]
+    except KeyError:
+        known = ", ".join(TOOL_ARGS)
+        raise UnknownTool(f"unknown tool {tool!r} (known: {known})") from None
+    if not isinstance(args, dict):
+        raise msgspec.ValidationError(f"arguments must be an object, got {type(args).__name__}")
+    return msgspec.convert(args, args_type)
+
+
+def tool_schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schema of each tool's arguments, self-contained (no $ref)."""
+    schemas: dict[str, dict[str, Any]] = {}
+    for name, args_type in TOOL_ARGS.items():
+        # schema_components returns a $ref per type plus the definitions; the definition is
+        # the schema itself (the argument Structs nest no other Struct, so it has no $ref).
+        _, components = msgspec.json.schema_components([args_type], ref_template="{name}")
+        inline = dict(components[args_type.__name__])
+        inline.pop("title", None)
+        schemas[name] = inline
+    return schemas
