@@ -1,0 +1,30 @@
+"""The seven agent tools, as the worker runtime calls them.
+
+Each tool is a function of the call's validated arguments (the Struct that
+``workers.schemas.parse_args`` returns for it) and its ExecutionContext. It returns the ``value``
+of an ``ok`` result, or raises one of ``workers.errors`` for any other status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from workers.protocol import ExecutionContext
+from workers.tools.bash import run_bash
+from workers.tools.files import edit_file, list_directory, read_file, write_file
+from workers.tools.search import find_paths, grep_files
+
+ToolFunction = Callable[[Any, ExecutionContext], dict[str, Any]]
+
+TOOLS: dict[str, ToolFunction] = {
+    "read": read_file,
+    "write": write_file,
+    "edit": edit_file,
+    "ls": list_directory,
+    "grep": grep_files,
+    "find": find_paths,
+    "bash": run_bash,
+}
+
+__all__ = ["TOOLS", "ToolFunction"]

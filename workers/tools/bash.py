@@ -1,0 +1,148 @@
+"""The bash tool: ``bash -c COMMAND`` in the call's cwd and (scrubbed) environment.
+
+Data flow inside the worker::
+
+    bash -c ... --stdout pipe--+
+         |     --stderr pipe--+--> selector --> chunks (capped at max_output_bytes)
+         +----- pidfd --------+        |
+                                       +--> bash exited: wait() it, kill_descendants(), drain
+
+bash runs in the worker's own process group, not a new session: the coordinator cancels a call
+by killing the worker's group, and that must reach bash and what it started.
+
+Why the pidfd: bash's exit cannot be inferred from the pipes. ``sleep 1000 &`` inherits both
+write ends, so EOF would only come when the sleep ends. The pidfd turns readable the moment bash
+itself exits, without polling; then everything bash left behind is killed, which closes the
+last write ends, and the pipes drain to EOF. Background jobs do not survive the call: that is
+the product's contract ("nothing a call started may outlive it").
+
+Killing leftovers relies on workers.containment: the worker is a child subreaper or the init of
+its own PID namespace, so orphans of bash become its children and kill_descendants() finds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import subprocess
+from typing import Any
+
+from workers.containment import kill_descendants
+from workers.errors import OutputLimitExceeded, ToolError
+from workers.paths import resolve
+from workers.protocol import ExecutionContext
+from workers.schemas import BashArgs
+
+#: Bytes asked of a pipe per read: the pipe's default capacity, so one read usually empties it.
+_READ_BYTES = 64 * 1024
+
+
+class _Output:
+    """stdout and stderr as they arrive, and whether together they passed the cap."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self.total = 0
+
+    def add(self, stream: str, data: bytes) -> bool:
+        """Keep ``data``; False once the total is over the limit."""
+        self.chunks[stream].append(data)
+        self.total += len(data)
+        return self.total <= self.limit
+
+    def text(self, stream: str) -> str:
+        return b"".join(self.chunks[stream]).decode("utf-8", errors="replace")
+
+
+def _start(args: BashArgs, ctx: ExecutionContext) -> subprocess.Popen[bytes]:
+    # The cwd is confined like any path: a cwd that is (or passes through) a symlink leading
+    # out of the workspace is refused, not silently used.
+    cwd = resolve(ctx, ".")
+    try:
+        return subprocess.Popen(
+            ["bash", "-c", args.command],
+            cwd=cwd,
+            env=ctx.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+    except OSError as exc:
+        raise ToolError(f"cannot start bash in {cwd}: {exc.strerror or exc}") from exc
+
+
+def _exit_status(returncode: int) -> tuple[int, int | None]:
+    """Popen's returncode as a shell reports it: 128 + N when killed by signal N."""
+    if returncode < 0:
+        return 128 - returncode, -returncode
+    return returncode, None
+
+
+def _pump(proc: subprocess.Popen[bytes], output: _Output) -> None:
+    """Collect output until bash has exited and both pipes are at EOF.
+
+    Raises OutputLimitExceeded as soon as the output passes the cap; the caller kills.
+    """
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ, "stdout")
+            selector.register(proc.stderr, selectors.EVENT_READ, "stderr")
+            selector.register(pidfd, selectors.EVENT_READ, None)
+            while selector.get_map():
+                for key, _ in selector.select():
+                    if key.data is None:
+                        selector.unregister(pidfd)
+                        # Readable pidfd: bash is a zombie now, so wait() returns at once.
+                        # It must come before kill_descendants(), which reaps every child
+                        # and would take bash's exit status with it.
+                        proc.wait()
+                        kill_descendants()
+                        continue
+                    # os.read, not the file object's read(): it returns what the pipe holds
+                    # instead of blocking until _READ_BYTES have arrived.
+                    data = os.read(key.fd, _READ_BYTES)
+                    if not data:
+                        selector.unregister(key.fileobj)
+                    elif not output.add(key.data, data):
+                        raise OutputLimitExceeded(f"output exceeded {output.limit} bytes")
+    finally:
+        os.close(pidfd)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Kill bash (if still running) and everything it started; reap all of it."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        # Reap bash through Popen, so it records the status instead of warning at
+        # garbage collection that the child is still running.
+        proc.wait()
+    kill_descendants()
+
+
+def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
+    """Run the command; any exit code is an ``ok`` result, carried in ``exit_code``."""
+    proc = _start(args, ctx)
+    output = _Output(ctx.max_output_bytes)
+    try:
+        _pump(proc, output)
+    finally:
+        # Normally a no-op by now (bash reaped, leftovers killed); after an error or the
+        # output limit it is the kill. Either way nothing outlives the call.
+        _stop(proc)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert proc.returncode is not None
+    exit_code, signal_number = _exit_status(proc.returncode)
+    return {
+        "exit_code": exit_code,
+        "signal": signal_number,
+        "stdout": output.text("stdout"),
+        "stderr": output.text("stderr"),
+    }

@@ -1,0 +1,305 @@
+"""The search tools: grep (file contents) and find (paths), over one shared tree walk.
+
+The walk must never hang and never loop, whatever the tree holds:
+
+* it never follows a symlink, to a directory or to a file. Following one could leave the
+  workspace, revisit a directory forever (``loop -> .``), or land on a FIFO. Symlinked files
+  are therefore not searched by grep; find lists the symlink itself.
+* it never opens anything but a regular file, judged from the directory entry's type (lstat,
+  not stat). A FIFO opened for reading waits for a writer; a device can block or have effects
+  on open. grep's open also re-checks with fstat, in case the entry was swapped meanwhile.
+* an unreadable directory or file is skipped and counted in ``skipped``, not an error.
+
+Results come in a stable order: each directory's entries are visited sorted by name.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import stat
+from collections.abc import Container, Iterator
+from typing import Any
+
+from workers.errors import ToolError
+from workers.paths import relative_to_workspace, resolve
+from workers.protocol import ExecutionContext
+from workers.schemas import FindArgs, GrepArgs
+from workers.tools.files import SNIFF_BYTES, is_binary, open_regular, os_error, printable
+
+#: grep's max_results when the call gives none.
+DEFAULT_MAX_MATCHES = 1000
+
+#: A matching line longer than this is cut: one minified file must not fill the whole answer.
+MAX_LINE_CHARS = 500
+
+#: find stops after this many paths even below max_output_bytes.
+MAX_FIND_RESULTS = 10_000
+
+#: Bytes of framing counted per result besides its strings, roughly what the encoding adds.
+_RESULT_OVERHEAD = 32
+
+
+def _is_directory(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+class TreeWalk:
+    """Every entry under ``root`` (a real directory path), preorder, each directory sorted.
+
+    Iterating yields ``(relative path, entry)`` with ``/`` separators. Directories named in
+    ``prune`` are yielded but not entered. ``skipped`` counts what could not be read below the
+    root; the root itself is listed at construction, which raises OSError if it cannot be.
+    """
+
+    def __init__(self, root: str, prune: Container[str] = ()) -> None:
+        self.prune = prune
+        self.skipped = 0
+        self._top = self._list(root)
+
+    @staticmethod
+    def _list(path: str) -> Iterator[os.DirEntry[str]]:
+        with os.scandir(path) as it:
+            return iter(sorted(it, key=lambda entry: entry.name))
+
+    def _scan(self, path: str) -> Iterator[os.DirEntry[str]] | None:
+        try:
+            return self._list(path)
+        except OSError:
+            self.skipped += 1
+            return None
+
+    def __iter__(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        # An explicit stack of iterators rather than recursion: depth is bounded by the tree,
+        # not by Python's recursion limit.
+        stack: list[tuple[str, Iterator[os.DirEntry[str]]]] = [("", self._top)]
+        while stack:
+            prefix, entries = stack[-1]
+            entry = next(entries, None)
+            if entry is None:
+                stack.pop()
+                continue
+            rel = f"{prefix}{entry.name}"
+            yield rel, entry
+            # A symlinked directory is never entered.
+            if _is_directory(entry) and entry.name not in self.prune:
+                children = self._scan(entry.path)
+                if children is not None:
+                    stack.append((f"{rel}/", children))
+
+
+# -- glob --------------------------------------------------------------------------------------
+
+
+def _translate_class(part: str, start: int) -> tuple[str, int] | None:
+    """The regex for the ``[...]`` opening at ``part[start - 1]``, and the index after it."""
+    j = start
+    if j < len(part) and part[j] in "!^":
+        j += 1
+    if j < len(part) and part[j] == "]":
+        j += 1  # a leading ] is a member, as in fnmatch
+    while j < len(part) and part[j] != "]":
+        j += 1
+    if j >= len(part):
+        return None
+    body = part[start:j]
+    negate = body[:1] in ("!", "^")
+    if negate:
+        body = body[1:]
+    # Escape what re treats specially inside a set (and what it warns about as future set
+    # syntax); keep '-' so ranges work.
+    body = "".join(f"\\{c}" if c in "\\^[]&~|" else c for c in body)
+    # A range such as [!-0] spans '/', which must still never match inside a component.
+    regex = f"[^/{body}]" if negate else f"(?!/)[{body}]"
+    return regex, j + 1
+
+
+def _translate_component(part: str) -> str:
+    out: list[str] = []
+    i = 0
+    while i < len(part):
+        c = part[i]
+        i += 1
+        if c == "*":
+            while i < len(part) and part[i] == "*":
+                i += 1  # '**' inside a component is just '*'
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and (translated := _translate_class(part, i)) is not None:
+            regex, i = translated
+            out.append(regex)
+        else:
+            out.append(re.escape(c))
+    return "".join(out)
+
+
+def compile_glob(pattern: str) -> tuple[re.Pattern[str], bool]:
+    """Compile a glob for matching relative paths; also say whether it wants directories only.
+
+    ``**`` as a whole component matches any number of directories (``**/`` zero or more, a
+    final ``**`` everything below); ``*`` and ``?`` never cross ``/``; ``[...]`` is a class
+    (``!`` or ``^`` negates). Unlike a shell, ``*`` matches a leading dot: an agent asking for
+    ``**/*.yml`` means ``.github/workflows/ci.yml`` too. A trailing ``/`` matches directories
+    only. Leading ``/`` and ``./`` are ignored: the pattern is always relative.
+    """
+    dir_only = pattern.endswith("/")
+    parts = [part for part in pattern.split("/") if part not in ("", ".")]
+    if not parts:
+        raise ToolError(f"empty glob pattern {pattern!r}")
+    out: list[str] = []
+    for index, part in enumerate(parts):
+        last = index == len(parts) - 1
+        if part == "**":
+            out.append(".*" if last else "(?:[^/]+/)*")
+        else:
+            out.append(_translate_component(part))
+            if not last:
+                out.append("/")
+    return re.compile("".join(out), re.DOTALL), dir_only
+
+
+# -- grep --------------------------------------------------------------------------------------
+
+
+class _GlobFilter:
+    """grep's ``glob``: fnmatch on the path relative to the search root or on the basename,
+    or find's glob on the relative path (so ``**/*.py`` also takes top-level files)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.regex, _ = compile_glob(pattern)
+
+    def __call__(self, rel: str, name: str) -> bool:
+        return (
+            fnmatch.fnmatchcase(rel, self.pattern)
+            or fnmatch.fnmatchcase(name, self.pattern)
+            or self.regex.fullmatch(rel) is not None
+        )
+
+
+class _Matches:
+    """Collects grep matches until max_results or max_output_bytes would be passed."""
+
+    def __init__(self, max_results: int, max_bytes: int) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.max_results = max_results
+        self.room = max_bytes
+        self.truncated = False
+
+    def add(self, path: str, line: int, text: str) -> bool:
+        """Record one match; False (and ``truncated``) once it does not fit."""
+        cost = len(path.encode()) + len(text.encode()) + _RESULT_OVERHEAD
+        if len(self.items) >= self.max_results or cost > self.room:
+            self.truncated = True
+            return False
+        self.room -= cost
+        self.items.append({"path": path, "line": line, "text": text})
+        return True
+
+
+def _search_file(real: str, display: str, regex: re.Pattern[str], matches: _Matches) -> bool:
+    """Add ``real``'s matching lines; False when the matches are full. Raises OSError."""
+    f = open_regular(real)
+    if f is None:
+        return True  # swapped for a non-regular file since the walk saw it
+    with f:
+        if is_binary(f.peek(SNIFF_BYTES)):
+            return True
+        for number, raw in enumerate(f, start=1):
+            line = raw.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
+            if regex.search(line) and not matches.add(display, number, line[:MAX_LINE_CHARS]):
+                return False
+    return True
+
+
+def _is_regular(entry: os.DirEntry[str]) -> bool:
+    try:
+        # The entry's own type (lstat): a symlink to a file is not followed, and a FIFO or
+        # device is never opened.
+        return entry.is_file(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _display(ctx: ExecutionContext, real: str) -> str:
+    return printable(relative_to_workspace(ctx, real))
+
+
+def grep_files(args: GrepArgs, ctx: ExecutionContext) -> dict[str, Any]:
+    """Lines matching a Python regex in a file, or in the regular files under a directory.
+
+    ``.git`` directories are not searched, nor binary files (a NUL in the first 8 KiB); see
+    the module docstring for what the walk never follows or opens. ``glob`` does not filter
+    an explicitly named file.
+    """
+    try:
+        regex = re.compile(args.pattern, re.IGNORECASE if args.ignore_case else 0)
+    except re.error as exc:
+        raise ToolError(f"invalid regular expression {args.pattern!r}: {exc}") from exc
+    root = resolve(ctx, args.path)
+    matches = _Matches(args.max_results or DEFAULT_MAX_MATCHES, ctx.max_output_bytes)
+    skipped = 0
+    try:
+        # stat, not open: the root may be a FIFO, which is refused below without opening it.
+        mode = os.stat(root).st_mode
+        if stat.S_ISREG(mode):
+            _search_file(root, _display(ctx, root), regex, matches)
+        elif stat.S_ISDIR(mode):
+            walk = TreeWalk(root, prune={".git"})
+    except OSError as exc:
+        raise os_error(args.path, exc) from exc
+    if stat.S_ISDIR(mode):
+        wanted = _GlobFilter(args.glob) if args.glob is not None else None
+        for rel, entry in walk:
+            if not _is_regular(entry) or (wanted is not None and not wanted(rel, entry.name)):
+                continue
+            try:
+                more = _search_file(entry.path, _display(ctx, entry.path), regex, matches)
+            except OSError:
+                skipped += 1
+                continue
+            if not more:
+                break
+        skipped += walk.skipped
+    elif not stat.S_ISREG(mode):
+        raise ToolError(f"{args.path} is not a regular file or a directory")
+    return {"matches": matches.items, "truncated": matches.truncated, "skipped": skipped}
+
+
+# -- find --------------------------------------------------------------------------------------
+
+
+def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
+    """Paths under ``path`` whose path relative to it matches the glob ``pattern``.
+
+    Lists every kind of entry (symlinks, FIFOs, ``.git`` included) without opening any, and
+    never descends a symlinked directory. Results are relative to the workspace, sorted.
+    """
+    regex, dir_only = compile_glob(args.pattern)
+    root = resolve(ctx, args.path)
+    try:
+        walk = TreeWalk(root)
+    except NotADirectoryError:
+        raise ToolError(f"{args.path} is not a directory") from None
+    except OSError as exc:
+        raise os_error(args.path, exc) from exc
+    found: list[str] = []
+    room = ctx.max_output_bytes
+    truncated = False
+    for rel, entry in walk:
+        if regex.fullmatch(rel) is None:
+            continue
+        if dir_only and not _is_directory(entry):
+            continue
+        path = _display(ctx, entry.path)
+        room -= len(path.encode()) + _RESULT_OVERHEAD
+        if len(found) >= MAX_FIND_RESULTS or room < 0:
+            truncated = True
+            break
+        found.append(path)
+    return {"paths": sorted(found), "truncated": truncated, "skipped": walk.skipped}
