@@ -1,0 +1,199 @@
+"""The template process ("zygote"): preloads everything, then forks one worker per call.
+
+Started by the coordinator (``python -m workers.template``) from a thread that lives as long as
+the pool. It stays single-threaded (no ZeroMQ context here: a context starts I/O threads, and
+forking a threaded process is unsafe), so each worker is a cheap fork of an interpreter that
+has already imported the runtime and every tool.
+
+    coordinator --Spawn(n)--> template --fork--> worker (setsid, PDEATHSIG, own PID namespace)
+    coordinator <--Spawned(token, pid) / Exited(pid, returncode)-- template (reaps on SIGCHLD)
+
+Death chain: the template dies with the coordinator's forking thread (PDEATHSIG); each worker
+dies with the template (PDEATHSIG); everything a worker started dies with the worker (its PID
+namespace, or, without one, the subreaper sweeps). Exits are observed on SIGCHLD, through the
+signal wakeup fd, never by polling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import selectors
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import msgspec
+
+import workers.runtime  # preloaded so that each fork starts warm
+import workers.tools
+from workers import containment
+from workers.protocol import (
+    Exited,
+    Shutdown,
+    Spawn,
+    Spawned,
+    TemplateReady,
+    encoder,
+    to_template_decoder,
+)
+
+#: How long shutdown waits to reap the workers it killed before leaving the stuck ones behind.
+SHUTDOWN_REAP_S = 2.0
+
+
+class Template:
+    def __init__(self, control: socket.socket, endpoint: str) -> None:
+        self.control = control
+        self.endpoint = endpoint
+        self.workers: set[int] = set()
+        self.namespaces = containment.probe_pid_namespaces()
+        self.next_token = 0
+        # Workers poll this pipe's read end to learn, race-free, that we died before they could
+        # arm PDEATHSIG: once every write end is closed, it reads as hung up.
+        self.lifeline_read, self.lifeline_write = os.pipe()
+        self.wakeup_read, self.wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.selector = selectors.DefaultSelector()
+
+    @property
+    def containment(self) -> str:
+        return "pidns" if self.namespaces is not None else "subreaper"
+
+    def send(self, message: msgspec.Struct) -> None:
+        # If the coordinator is gone there is nobody to tell; PDEATHSIG is about to end us.
+        with contextlib.suppress(OSError):
+            self.control.send(encoder.encode(message))
+
+    def run(self) -> None:
+        signal.set_wakeup_fd(self.wakeup_write, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        self.selector.register(self.control, selectors.EVENT_READ, "control")
+        self.selector.register(self.wakeup_read, selectors.EVENT_READ, "sigchld")
+        self.send(TemplateReady(pid=os.getpid(), containment=self.containment))
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "sigchld":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wakeup_read, 4096)
+                    self.reap()
+                elif not self.on_control():
+                    self.shutdown()
+                    return
+
+    def on_control(self) -> bool:
+        """Handle one control message; False means stop (Shutdown, or the coordinator is gone)."""
+        data = self.control.recv(65536)
+        if not data:
+            return False
+        message = to_template_decoder.decode(data)
+        if isinstance(message, Shutdown):
+            return False
+        assert isinstance(message, Spawn)
+        for _ in range(message.count):
+            self.fork_worker()
+        return True
+
+    def fork_worker(self) -> None:
+        token = f"{os.getpid()}.{self.next_token}"
+        self.next_token += 1
+        if self.namespaces is not None:
+            self.namespaces.enter_new()
+        try:
+            pid = os.fork()
+        except BaseException:
+            if self.namespaces is not None:
+                self.namespaces.leave()
+            raise
+        if pid == 0:
+            self.become_worker(token)
+        if self.namespaces is not None:
+            self.namespaces.leave()
+        self.workers.add(pid)
+        self.send(Spawned(token=token, pid=pid))
+
+    def become_worker(self, token: str) -> None:
+        """In the child: cut every tie to the template except the lifeline, then serve."""
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            self.selector.close()
+            self.control.close()
+            for fd in (self.wakeup_read, self.wakeup_write, self.lifeline_write):
+                os.close(fd)
+            # Own session and process group: a cancel is one killpg, and a Ctrl-C at the
+            # coordinator's terminal never reaches a worker directly.
+            os.setsid()
+            containment.set_parent_death_signal()
+            lifeline = select.poll()
+            lifeline.register(self.lifeline_read, select.POLLIN)
+            if lifeline.poll(0):  # the template died before PDEATHSIG was armed
+                os._exit(1)
+            os.close(self.lifeline_read)
+            if not containment.in_own_pid_namespace():
+                containment.set_child_subreaper()
+            workers.runtime.serve(token, self.endpoint)
+        except BaseException:
+            # Nobody else can report a worker that broke before it could connect.
+            traceback.print_exc()
+            os._exit(70)
+        os._exit(0)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid in self.workers:
+                self.workers.discard(pid)
+                self.send(Exited(pid=pid, returncode=os.waitstatus_to_exitcode(status)))
+                if self.namespaces is None:
+                    self.sweep_orphans()
+
+    def sweep_orphans(self) -> None:
+        """Subreaper mode: kill what a dead worker's descendants left reparented to us."""
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children") as f:
+                orphans = [int(p) for p in f.read().split() if int(p) not in self.workers]
+            for pid in orphans:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def shutdown(self) -> None:
+        """Kill every worker and reap them, bounded: a worker stuck in the kernel is left."""
+        for pid in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + SHUTDOWN_REAP_S
+        while self.workers and (remaining := deadline - time.monotonic()) > 0:
+            if select.select([self.wakeup_read], [], [], remaining)[0]:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self.wakeup_read, 4096)
+            self.reap()
+        # Whoever is left is stuck in the kernel; once we exit it is reparented to init and
+        # dies (its PDEATHSIG fires with us) when the kernel lets it go.
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="workers.template")
+    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    containment.set_parent_death_signal()
+    if os.getppid() != args.parent_pid:  # the coordinator died before PDEATHSIG was armed
+        return 1
+    containment.set_child_subreaper()
+    control = socket.socket(fileno=args.control_fd)
+    Template(control, args.endpoint).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
