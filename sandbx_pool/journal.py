@@ -1,0 +1,333 @@
+"""Journal: the append-only JSON Lines record of every call, durable without blocking the loop.
+
+The pool journals each call's intent before dispatch (``await intent()``), the worker that took
+it (``started()``) and how it ended (``outcome()``). This module is the facade: it decides how
+durable each record must be, tracks which calls are open, and opens, recovers and closes the
+journal. The thread that encodes, writes and group-commits is ``journal_writer``; the records
+are ``journal_records``; parsing and the in-doubt computation are ``journal_reader``.
+
+Durability by policy (``JournalSettings.policy``): ALWAYS fsyncs every record, and ``intent()``
+returns after its fsync; SIDE_EFFECTS does so only for the intents of write, edit and bash, and
+group-commits the rest within ``group_commit_ms``; BATCH group-commits everything; OFF writes
+and leaves flushing to the OS. Whatever the policy, ``intent()`` never blocks the event loop:
+it awaits a future the writer thread resolves.
+
+One coordinator writes a journal at a time. It holds an exclusive ``flock`` on ``PATH.lock``,
+which the kernel releases when the holder dies however it dies, so a crash never leaves a stale
+lock behind. The lock and the journal are opened close-on-exec so that no exec'd helper (the
+template process, bash) inherits them and keeps the lock alive after the coordinator is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import fcntl
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from loguru import logger
+
+from sandbx_pool import journal_reader
+from sandbx_pool.config import JournalPolicy, JournalSettings
+from sandbx_pool.errors import JournalError, JournalLocked
+from sandbx_pool.journal_reader import JournalScan
+from sandbx_pool.journal_records import (
+    InDoubtRecord,
+    IntentRecord,
+    JournalRecord,
+    OutcomeRecord,
+    StartedRecord,
+    summarize,
+)
+from sandbx_pool.journal_writer import JournalWriter, RecordMaker, Waiter
+from sandbx_pool.outcome import Outcome
+from workers.schemas import SIDE_EFFECT_TOOLS
+
+InDoubtCallback = Callable[[list[IntentRecord]], Awaitable[None]]
+
+
+class JournalState(enum.IntEnum):
+    OPEN = 1
+    CLOSING = 2
+    CLOSED = 3
+    FAILED = 4  # a write or fsync failed: nothing more is written, intent() raises
+
+
+class Journal:
+    """The append-only writer used by the pool. Make one with ``await Journal.open(...)``."""
+
+    def __init__(
+        self,
+        path: str,
+        settings: JournalSettings,
+        *,
+        fd: int,
+        lock_fd: int,
+        in_doubt: list[IntentRecord],
+    ) -> None:
+        self.path = path
+        self._settings = settings
+        self._policy = settings.policy
+        self._in_doubt = in_doubt
+        self._open_calls: set[str] = set()
+        self._closing: asyncio.Future[None] | None = None
+        self._writer = JournalWriter(path, settings, fd=fd, lock_fd=lock_fd)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        path: str | os.PathLike[str],
+        settings: JournalSettings,
+        *,
+        on_in_doubt: InDoubtCallback | None = None,
+    ) -> Journal:
+        """Lock the journal, recover it, and start its writer.
+
+        Intents the previous coordinator left without an outcome are logged, exposed as
+        ``in_doubt``, passed to ``on_in_doubt`` (the pool removes write/edit temp files through
+        a worker: the coordinator never touches the workspace itself) and then marked as
+        reported, so the next opening lists only the calls in flight at the latest crash.
+        """
+        loop = asyncio.get_running_loop()
+        opening = loop.run_in_executor(None, _open_locked, os.fspath(path))
+        try:
+            name, fd, lock_fd, scan = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The thread carries on; whatever it opens must still be released.
+            opening.add_done_callback(_release_abandoned)
+            raise
+        pending = journal_reader.in_doubt(scan, include_reported=False)
+        journal = cls(name, settings, fd=fd, lock_fd=lock_fd, in_doubt=pending)
+        journal._log_opened(scan)
+        if pending:
+            try:
+                if on_in_doubt is not None:
+                    await on_in_doubt(list(pending))
+                for record in pending:
+                    journal._put(_in_doubt_maker(record), sync=False)
+                await journal.flush()
+            except BaseException:
+                await asyncio.shield(journal.close())
+                raise
+        return journal
+
+    async def flush(self) -> None:
+        """Return once everything queued so far is written and fsynced (written under OFF)."""
+        self._check_open()
+        await self._wait(None, sync=self._policy is not JournalPolicy.OFF)
+
+    async def close(self) -> None:
+        """Flush, stop the writer thread and release the lock. Idempotent; never raises."""
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_future()
+            waiter = (self._closing.get_loop(), self._closing)
+            self._writer.submit(None, sync=True, waiter=waiter, stop=True)
+        await asyncio.shield(self._closing)
+        # The thread resolved the future as its very last step; this join is immediate.
+        self._writer.join()
+
+    @staticmethod
+    def default_path(runtime_dir: str) -> str:
+        """Where a pool journals when given no path: its runtime directory."""
+        return os.path.join(runtime_dir, "journal.jsonl")
+
+    # -- records -----------------------------------------------------------------------------
+
+    @property
+    def in_doubt(self) -> list[IntentRecord]:
+        """Intents that had no outcome when the journal was opened."""
+        return list(self._in_doubt)
+
+    @property
+    def state(self) -> JournalState:
+        if self._writer.failure is not None:
+            return JournalState.FAILED
+        if self._writer.finished:
+            return JournalState.CLOSED
+        return JournalState.OPEN if self._closing is None else JournalState.CLOSING
+
+    async def intent(
+        self,
+        *,
+        call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        cwd: str,
+        timeout_s: float | None,
+    ) -> None:
+        """Journal a call about to be dispatched; return once it is as durable as required.
+
+        ALWAYS, and SIDE_EFFECTS for write/edit/bash: fsynced. Otherwise: queued. If the
+        awaiting task is cancelled the record is still written, so its call still needs an
+        outcome.
+        """
+        self._check_open()
+        stamp = time.time()
+        limit = self._settings.summarize_over_bytes
+        # A shallow copy: the record is built later on the writer thread, and a caller that
+        # reuses its dict must not change what gets journaled (nor mutate it mid-iteration).
+        arguments = dict(args)
+
+        def make() -> JournalRecord:
+            return IntentRecord(
+                call_id=call_id,
+                time=stamp,
+                tool=tool,
+                args=summarize(arguments, limit),
+                cwd=cwd,
+                timeout_s=timeout_s,
+            )
+
+        if call_id in self._open_calls:
+            logger.warning("journal {}: second intent for open call {}", self.path, call_id)
+        self._open_calls.add(call_id)
+        durable = self._policy is JournalPolicy.ALWAYS or (
+            self._policy is JournalPolicy.SIDE_EFFECTS and tool in SIDE_EFFECT_TOOLS
+        )
+        if durable:
+            await self._wait(make, sync=True)
+        else:
+            self._put(make, sync=False)
+
+    def started(self, call_id: str, pid: int) -> None:
+        """Journal that worker ``pid`` received the call. Queued; returns at once."""
+        if not self._usable():
+            return
+        stamp = time.time()
+        self._put(
+            lambda: StartedRecord(call_id=call_id, time=stamp, pid=pid),
+            sync=self._policy is JournalPolicy.ALWAYS,
+        )
+
+    def outcome(self, outcome: Outcome) -> None:
+        """Journal how a call ended. Queued; group-committed within ``group_commit_ms``."""
+        if not self._usable():
+            return
+        if outcome.call_id in self._open_calls:
+            self._open_calls.remove(outcome.call_id)
+        else:
+            logger.warning(
+                "journal {}: outcome for {} has no open intent", self.path, outcome.call_id
+            )
+        stamp = time.time()
+        limit = self._settings.summarize_over_bytes
+        self._put(
+            lambda: OutcomeRecord.from_outcome(outcome, time=stamp, limit=limit),
+            sync=self._policy is JournalPolicy.ALWAYS,
+        )
+
+    # -- the event loop's side of the queue --------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._writer.failure is not None:
+            raise JournalError(str(self._writer.failure))
+        if self._closing is not None or self._writer.finished:
+            raise JournalError(f"journal {self.path} is closed")
+
+    def _usable(self) -> bool:
+        # started() and outcome() run in the pool's cleanup paths: after a disk failure they
+        # drop the record (the failure was logged and raised to intent() already) rather than
+        # raise from a finally block. Using a closed journal is still a bug, and raises.
+        if self._writer.failure is not None:
+            return False
+        self._check_open()
+        return True
+
+    def _put(self, make: RecordMaker | None, *, sync: bool, waiter: Waiter | None = None) -> None:
+        self._check_open()
+        self._writer.submit(make, sync=sync, waiter=waiter)
+
+    async def _wait(self, make: RecordMaker | None, *, sync: bool) -> None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._put(make, sync=sync, waiter=(loop, done))
+        await done
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def _log_opened(self, scan: JournalScan) -> None:
+        logger.info(
+            "journal {} opened (policy {}): {} records, {} call(s) in doubt",
+            self.path,
+            self._policy,
+            len(scan.records),
+            len(self._in_doubt),
+        )
+        for record in self._in_doubt[:20]:
+            logger.warning(
+                "journal {}: call {} ({}) was in flight when the last coordinator stopped",
+                self.path,
+                record.call_id,
+                record.tool,
+            )
+        if len(self._in_doubt) > 20:
+            logger.warning("journal {}: ... and {} more", self.path, len(self._in_doubt) - 20)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Journal {self.path!r} [{self.state.name.lower()} | policy {self._policy} | "
+            f"{len(self._open_calls)} open, {len(self._in_doubt)} in doubt]>"
+        )
+
+
+def _in_doubt_maker(record: IntentRecord) -> RecordMaker:
+    stamp = time.time()
+    return lambda: InDoubtRecord(call_id=record.call_id, time=stamp, tool=record.tool)
+
+
+def _open_locked(given: str) -> tuple[str, int, int, JournalScan]:
+    """Take the lock, open the journal for appending and recover it. Runs on a thread."""
+    path = os.path.abspath(given)
+    directory = os.path.dirname(path)
+    lock_path = path + ".lock"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise JournalError(f"cannot open journal {path}: {exc}") from exc
+    try:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise JournalLocked(
+                f"journal {path} is being written by another coordinator "
+                f"(pid {holder}, lock {lock_path})"
+            ) from None
+        # The holder's pid, for the message a second coordinator gets.
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+        created = not os.path.exists(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            if created:
+                # The new file's directory entry must be durable too, or a crash could lose
+                # the whole journal along with the intents fsynced into it.
+                dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+            scan = journal_reader.recover(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+    except BaseException as exc:
+        os.close(lock_fd)
+        if isinstance(exc, OSError):
+            raise JournalError(f"cannot open journal {path}: {exc}") from exc
+        raise
+    return path, fd, lock_fd, scan
+
+
+def _release_abandoned(opening: asyncio.Future[tuple[str, int, int, JournalScan]]) -> None:
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    _, fd, lock_fd, _ = opening.result()
+    os.close(fd)
+    os.close(lock_fd)

@@ -1,0 +1,233 @@
+"""``sandbx-pool journal``: inspect a journal (in doubt, stats, show) without changing it.
+
+Read-only on purpose: a coordinator may still be appending, and only the coordinator holding
+the lock may cut a torn tail off. A torn tail or corrupt lines are mentioned on stderr; stdout
+stays machine-readable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import msgspec
+
+from sandbx_pool.journal_reader import (
+    JournalScan,
+    JournalStats,
+    Latency,
+    in_doubt,
+    read_journal,
+    stats,
+)
+from sandbx_pool.journal_records import (
+    IntentRecord,
+    JournalRecord,
+    OutcomeRecord,
+    encoder,
+    is_digest,
+)
+from sandbx_pool.outcome import Status
+
+#: Exit code for a journal that cannot be read (argparse uses 2 for usage errors too).
+EXIT_UNREADABLE: Final = 2
+
+#: ``--status`` value selecting calls that have no outcome.
+IN_DOUBT: Final = "in_doubt"
+
+#: Longest argument value shown in full by ``in-doubt``.
+ARG_PREVIEW_CHARS: Final = 60
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def add_journal_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``journal in-doubt|stats|show`` to a command line."""
+    journal = subparsers.add_parser("journal", help="inspect a journal")
+    commands = journal.add_subparsers(dest="journal_command", required=True, metavar="COMMAND")
+
+    doubt = commands.add_parser(
+        "in-doubt", help="calls with an intent and no outcome (the coordinator died)"
+    )
+    doubt.add_argument("path", metavar="PATH")
+    doubt.set_defaults(func=_reading(_cmd_in_doubt))
+
+    counts = commands.add_parser("stats", help="counts by status and tool, latency percentiles")
+    counts.add_argument("path", metavar="PATH")
+    counts.add_argument("--json", action="store_true", help="machine-readable output")
+    counts.set_defaults(func=_reading(_cmd_stats))
+
+    show = commands.add_parser("show", help="the records of matching calls, as JSON Lines")
+    show.add_argument("path", metavar="PATH")
+    show.add_argument("--status", help=f"an outcome status, or {IN_DOUBT} for calls without one")
+    show.add_argument("--tool", help="only calls of this tool")
+    show.add_argument("--call", metavar="ID", help="only this call id")
+    show.set_defaults(func=_reading(_cmd_show))
+
+
+def _reading(command: Callable[[argparse.Namespace, JournalScan], int]) -> Command:
+    """Read the journal named by ``args.path`` for ``command``; a journal missing is exit 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            scan = read_journal(args.path)
+        except FileNotFoundError:
+            print(f"sandbx-pool journal: {args.path}: no such journal", file=sys.stderr)
+            return EXIT_UNREADABLE
+        except OSError as exc:
+            print(f"sandbx-pool journal: {args.path}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_UNREADABLE
+        _report_damage(scan)
+        return command(args, scan)
+
+    return run
+
+
+def _report_damage(scan: JournalScan) -> None:
+    if scan.torn_tail:
+        print(f"note: {scan.path}: torn last line ignored", file=sys.stderr)
+    if scan.corrupt_lines:
+        lines = ", ".join(str(n) for n in scan.corrupt_lines[:10])
+        more = "..." if len(scan.corrupt_lines) > 10 else ""
+        print(f"note: {scan.path}: corrupt lines skipped: {lines}{more}", file=sys.stderr)
+
+
+# -- in-doubt --------------------------------------------------------------------------------
+
+
+def _cmd_in_doubt(args: argparse.Namespace, scan: JournalScan) -> int:
+    calls = in_doubt(scan)
+    if not calls:
+        print(f"{scan.path}: no calls in doubt", file=sys.stderr)
+        return 0
+    id_width = max(len(c.call_id) for c in calls)
+    tool_width = max(len(c.tool) for c in calls)
+    for call in calls:
+        line = f"{call.call_id:<{id_width}}  {call.tool:<{tool_width}}  {describe_args(call.args)}"
+        print(line.rstrip())
+    return 0
+
+
+def describe_args(args: dict[str, Any]) -> str:
+    """``path='a.txt' content=<1048576 bytes sha256:3f2a...>``: one line, bounded."""
+    return " ".join(f"{key}={_describe(value)}" for key, value in args.items())
+
+
+def _describe(value: Any) -> str:
+    if is_digest(value):
+        return f"<{value['bytes']} bytes sha256:{str(value['sha256'])[:12]}>"
+    if isinstance(value, str):
+        text = value if len(value) <= ARG_PREVIEW_CHARS else value[:ARG_PREVIEW_CHARS] + "..."
+        return repr(text)
+    text = json.dumps(value, default=str)
+    return text if len(text) <= ARG_PREVIEW_CHARS else text[:ARG_PREVIEW_CHARS] + "..."
+
+
+# -- stats -----------------------------------------------------------------------------------
+
+
+def _cmd_stats(args: argparse.Namespace, scan: JournalScan) -> int:
+    summary = stats(scan)
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(summary), indent=2))
+    else:
+        print("\n".join(format_stats(scan.path, summary)))
+    return 0
+
+
+def _status_columns(seen: Iterable[str]) -> list[str]:
+    """Known statuses in contract order, then any unknown ones; only those that occur."""
+    present = set(seen)
+    known = [status.value for status in Status if status.value in present]
+    return known + sorted(present - set(known))
+
+
+def format_stats(path: str, summary: JournalStats) -> list[str]:
+    lines = [
+        f"journal {path}",
+        f"{summary.intents} intents, {summary.outcomes} outcomes, {summary.in_doubt} in doubt",
+        "",
+    ]
+    columns = _status_columns(summary.by_status)
+    header = ["tool", "calls", *columns, IN_DOUBT]
+    rows: list[list[str]] = []
+    tools = sorted(set(summary.by_tool) | set(summary.by_tool_status))
+    for tool in tools:
+        statuses = summary.by_tool_status.get(tool, {})
+        calls = summary.by_tool.get(tool, 0)
+        doubt = max(0, calls - sum(statuses.values()))
+        rows.append([tool, str(calls), *(str(statuses.get(c, 0)) for c in columns), str(doubt)])
+    total = [str(summary.by_status.get(c, 0)) for c in columns]
+    rows.append(["all", str(summary.intents), *total, str(summary.in_doubt)])
+    lines += _table(header, rows)
+    if summary.latency is not None:
+        lines += ["", "latency (s)"]
+        latency_rows = [["all", *_latency_cells(summary.latency)]]
+        latency_rows += [
+            [tool, *_latency_cells(value)] for tool, value in summary.latency_by_tool.items()
+        ]
+        lines += _table(["tool", "n", "p50", "p90", "p99", "max"], latency_rows)
+    return lines
+
+
+def _latency_cells(value: Latency) -> list[str]:
+    seconds = [value.p50, value.p90, value.p99, value.max]
+    return [str(value.count), *(f"{s:.4f}" for s in seconds)]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
+        return "  ".join([first, *rest])
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+# -- show ------------------------------------------------------------------------------------
+
+
+def _cmd_show(args: argparse.Namespace, scan: JournalScan) -> int:
+    for record in select(scan, status=args.status, tool=args.tool, call_id=args.call):
+        sys.stdout.write(encoder.encode(record).decode() + "\n")
+    return 0
+
+
+def select(
+    scan: JournalScan,
+    *,
+    status: str | None = None,
+    tool: str | None = None,
+    call_id: str | None = None,
+) -> list[JournalRecord]:
+    """Every record of the calls matching all the filters, grouped by call, in call order."""
+    calls: dict[str, list[JournalRecord]] = {}
+    for record in scan.records:
+        calls.setdefault(record.call_id, []).append(record)
+    chosen: list[JournalRecord] = []
+    for cid, records in calls.items():
+        if call_id is not None and cid != call_id:
+            continue
+        if tool is not None and _tool_of(records) != tool:
+            continue
+        if status is not None and _status_of(records) != status:
+            continue
+        chosen.extend(records)
+    return chosen
+
+
+def _tool_of(records: list[JournalRecord]) -> str | None:
+    for record in records:
+        if isinstance(record, IntentRecord | OutcomeRecord):
+            return record.tool
+    return None
+
+
+def _status_of(records: list[JournalRecord]) -> str:
+    outcomes = [r for r in records if isinstance(r, OutcomeRecord)]
+    return outcomes[-1].status if outcomes else IN_DOUBT

@@ -1,0 +1,214 @@
+"""The journal's records: one tagged msgspec Struct per JSON Lines line.
+
+A call leaves, in order::
+
+    {"kind": "intent",  "call_id": ..., "tool": ..., "args": {...}, "cwd": ..., "timeout_s": ...}
+    {"kind": "started", "call_id": ..., "pid": ...}          (a worker took the call)
+    {"kind": "outcome", "call_id": ..., "status": ..., ...}  (exactly one per intent)
+
+and, when a coordinator reopens a journal whose previous writer died with calls in flight, one
+``in_doubt`` record per intent left without an outcome: the new coordinator reported it (log,
+``Journal.in_doubt``, the pool's temp-file cleanup), so the next opening reports only the calls
+that were in flight at the *latest* crash.
+
+Every record carries ``v``, the journal format version. Rules from msgspec's schema-evolution
+guide: new fields get defaults and go last; a field's type never changes. ``status`` and
+``killed_by`` are stored as plain strings, not the enums of ``outcome``, so that a reader built
+before a new status existed still parses the line instead of calling it corrupt.
+
+Large arguments are summarised, never copied: a string longer than ``summarize_over_bytes``
+(UTF-8) becomes ``{"summary": true, "bytes": N, "sha256": HEX}``. A journal that copied every
+write's content would cost as much as the workspace and leak whatever the agent wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Final
+
+import msgspec
+
+from sandbx_pool.outcome import Outcome
+
+JOURNAL_VERSION: Final = 1
+
+#: Strings in an outcome's value longer than this many bytes are summarised. Smaller than the
+#: argument limit on purpose: the caller already has the value; the journal keeps enough to
+#: account for the call (exit code, sizes, a hash to compare), not a second copy of the output.
+VALUE_STRING_BYTES: Final = 256
+
+#: A value summary keeps at most this many keys per mapping and descends this deep; a tool that
+#: returns a huge mapping must not turn one outcome line into megabytes.
+VALUE_MAX_KEYS: Final = 32
+VALUE_MAX_DEPTH: Final = 2
+
+
+class _Keyed(msgspec.Struct, tag_field="kind", frozen=True):
+    call_id: str
+    time: float
+
+
+class Record(_Keyed, frozen=True, kw_only=True):
+    """Fields every record has. ``time`` is a unix timestamp taken when the event happened.
+
+    Two classes so that every line starts ``{"kind", "call_id", "time", "v", ...}``: msgspec
+    puts positional fields first, and ``v`` needs a default, which only kw_only allows here.
+    """
+
+    v: int = JOURNAL_VERSION
+
+
+class IntentRecord(Record, tag="intent", frozen=True, kw_only=True):
+    """A call is about to be dispatched. ``args`` is already summarised."""
+
+    tool: str
+    args: dict[str, Any]
+    cwd: str
+    timeout_s: float | None = None
+
+
+class StartedRecord(Record, tag="started", frozen=True, kw_only=True):
+    """A worker (``pid``) received the call: from here its action may have happened."""
+
+    pid: int
+
+
+class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
+    """How the call ended; mirrors ``Outcome`` with the value replaced by a bounded summary."""
+
+    tool: str
+    status: str
+    killed_by: str | None = None
+    reason: str | None = None
+    signal: int | None = None
+    duration_s: float = 0.0
+    error: str | None = None
+    started: bool = False
+    worker_pid: int | None = None
+    limit: str | None = None
+    quarantined: bool = False
+    value_summary: dict[str, Any] | None = None
+    wchan: str | None = None
+
+    @classmethod
+    def from_outcome(cls, outcome: Outcome, *, time: float, limit: int) -> OutcomeRecord:
+        return cls(
+            call_id=outcome.call_id,
+            time=time,
+            tool=outcome.tool,
+            status=str(outcome.status),
+            killed_by=None if outcome.killed_by is None else str(outcome.killed_by),
+            reason=clip(outcome.reason, limit),
+            signal=outcome.signal,
+            duration_s=outcome.duration_s,
+            error=clip(outcome.error, limit),
+            started=outcome.started,
+            worker_pid=outcome.worker_pid,
+            limit=outcome.limit,
+            quarantined=outcome.quarantined,
+            value_summary=summarize_value(outcome.value),
+            wchan=outcome.wchan,
+        )
+
+
+class InDoubtRecord(Record, tag="in_doubt", frozen=True, kw_only=True):
+    """Written at open for each intent the previous coordinator left without an outcome."""
+
+    tool: str
+
+
+JournalRecord = IntentRecord | StartedRecord | OutcomeRecord | InDoubtRecord
+
+
+def _encode_fallback(obj: Any) -> Any:
+    # Arguments and values come from callers and tools; an object JSON cannot hold (a Path, a
+    # set, something exotic) must not make a record unwritable. Its bounded repr is enough to
+    # account for the call.
+    if isinstance(obj, set | frozenset):
+        return sorted(obj, key=repr)
+    return clip(repr(obj), 200)
+
+
+#: Built once: msgspec encoders and decoders are cheap to use and comparatively costly to make.
+encoder: Final = msgspec.json.Encoder(enc_hook=_encode_fallback)
+decoder: Final = msgspec.json.Decoder(JournalRecord)
+
+
+def digest(data: str | bytes) -> dict[str, Any]:
+    """The summary that stands in for a large string: its size and its sha256."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    return {"summary": True, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+
+
+def is_digest(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("summary") is True and "sha256" in value
+
+
+def _too_long(text: str, limit: int) -> bool:
+    # UTF-8 takes 1 to 4 bytes a character, so most strings are decided without encoding them.
+    if len(text) > limit:
+        return True
+    if 4 * len(text) <= limit:
+        return False
+    return len(text.encode("utf-8", "surrogatepass")) > limit
+
+
+def summarize(value: Any, limit: int) -> Any:
+    """``value`` with every string over ``limit`` UTF-8 bytes replaced by its digest.
+
+    Descends into dicts, lists and tuples; everything else is returned as is.
+    """
+    if isinstance(value, str):
+        return digest(value) if _too_long(value, limit) else value
+    if isinstance(value, bytes | bytearray):
+        return digest(bytes(value)) if len(value) > limit else bytes(value)
+    if isinstance(value, dict):
+        return {key: summarize(item, limit) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [summarize(item, limit) for item in value]
+    return value
+
+
+def summarize_value(
+    value: dict[str, Any] | None, *, string_limit: int = VALUE_STRING_BYTES
+) -> dict[str, Any] | None:
+    """A bounded summary of a tool's value, for the outcome record.
+
+    Small scalars are kept, long strings become digests, lists become ``{"items": N}`` and
+    nested mappings are kept down to ``VALUE_MAX_DEPTH``. A mapping with more than
+    ``VALUE_MAX_KEYS`` keys keeps the first ones and counts the rest in ``"omitted_keys"``.
+    """
+    if value is None:
+        return None
+    return _summarize_mapping(value, string_limit, depth=1)
+
+
+def _summarize_mapping(mapping: dict[Any, Any], string_limit: int, depth: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for index, (key, item) in enumerate(mapping.items()):
+        if index == VALUE_MAX_KEYS:
+            result["omitted_keys"] = len(mapping) - VALUE_MAX_KEYS
+            break
+        result[str(key)] = _summarize_item(item, string_limit, depth)
+    return result
+
+
+def _summarize_item(item: Any, string_limit: int, depth: int) -> Any:
+    if item is None or isinstance(item, bool | int | float):
+        return item
+    if isinstance(item, str | bytes | bytearray):
+        return summarize(item, string_limit)
+    if isinstance(item, list | tuple | set | frozenset):
+        return {"items": len(item)}
+    if isinstance(item, dict):
+        if depth >= VALUE_MAX_DEPTH:
+            return {"keys": len(item)}
+        return _summarize_mapping(item, string_limit, depth + 1)
+    return {"type": type(item).__name__}
+
+
+def clip(text: str | None, limit: int) -> str | None:
+    """``text`` cut to ``limit`` characters, saying how long it was (errors can be tracebacks)."""
+    if text is None or len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text)} characters in all]"
