@@ -1,0 +1,139 @@
+"""The ``sandbx-pool`` command: call, run, demo, tools, schema, journal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from sandbx_pool.logs import configure_logging
+from workers.schemas import TOOL_ARGS, tool_schemas
+
+
+def _parse_pairs(tool: str, pairs: list[str]) -> dict[str, Any]:
+    """``key=value`` arguments; a value is JSON unless the schema says the key is a string."""
+    properties = tool_schemas().get(tool, {}).get("properties", {})
+    args: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"sandbx-pool call: expected key=value, got {pair!r}")
+        if _is_string(properties.get(key, {})):
+            args[key] = value
+        else:
+            try:
+                args[key] = json.loads(value)
+            except json.JSONDecodeError:
+                args[key] = value
+    return args
+
+
+def _is_string(schema: dict[str, Any]) -> bool:
+    if schema.get("type") == "string":
+        return True
+    return any(option.get("type") == "string" for option in schema.get("anyOf", []))
+
+
+def _tool_definitions(style: str) -> list[dict[str, Any]]:
+    definitions = []
+    for name, schema in tool_schemas().items():
+        description = (TOOL_ARGS[name].__doc__ or name).strip()
+        parameters = {k: v for k, v in schema.items() if k != "description"}
+        if style == "anthropic":
+            definitions.append(
+                {"name": name, "description": description, "input_schema": parameters}
+            )
+        elif style == "openai":
+            definitions.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": description,
+                        "parameters": parameters,
+                    },
+                }
+            )
+        else:
+            definitions.append(
+                {"name": name, "description": description, "inputSchema": parameters}
+            )
+    return definitions
+
+
+def _cmd_tools(args: argparse.Namespace) -> int:
+    schemas = tool_schemas()
+    if args.json:
+        print(json.dumps(schemas, indent=2))
+        return 0
+    for name, args_type in TOOL_ARGS.items():
+        fields = ", ".join(schemas[name].get("properties", {}))
+        print(f"{name:6} {(args_type.__doc__ or '').strip()}  ({fields})")
+    return 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(_tool_definitions(args.format), indent=2))
+    return 0
+
+
+def _cmd_call(args: argparse.Namespace) -> int:
+    from sandbx_pool.pool import Pool
+    from sandbx_pool.signals import Stopper, run_until_signalled
+
+    tool_args = _parse_pairs(args.tool, args.pairs)
+
+    async def one_call(stopper: Stopper) -> int:
+        pool = stopper.watch(Pool(args.workspace, journal=args.journal, config=args.config))
+        async with pool:
+            outcome = await pool.call(args.tool, tool_args, timeout=args.timeout)
+        print(json.dumps(outcome.to_dict(), indent=2))
+        return 0
+
+    return run_until_signalled(one_call)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sandbx_pool.journal_commands import add_journal_parser
+
+    parser = argparse.ArgumentParser(
+        prog="sandbx-pool",
+        description="Run agent tool calls in disposable, killable worker processes.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    parser.add_argument("-q", "--quiet", action="count", default=0, help="less log output")
+    parser.add_argument("--log-json", metavar="FILE", help="also write structured logs here")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    call = commands.add_parser("call", help="run one tool call, print its outcome as JSON")
+    call.add_argument("tool", choices=sorted(TOOL_ARGS))
+    call.add_argument("pairs", nargs="*", metavar="key=value")
+    call.add_argument("--workspace", default=".")
+    call.add_argument("--timeout", type=float)
+    call.add_argument("--journal")
+    call.add_argument("--config")
+    call.set_defaults(func=_cmd_call)
+
+    tools = commands.add_parser("tools", help="list the tools and their arguments")
+    tools.add_argument("--json", action="store_true", help="print their JSON Schemas")
+    tools.set_defaults(func=_cmd_tools)
+
+    schema = commands.add_parser("schema", help="tool definitions for an LLM API")
+    schema.add_argument("--format", choices=["anthropic", "openai", "mcp"], default="anthropic")
+    schema.set_defaults(func=_cmd_schema)
+
+    add_journal_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose - args.quiet, args.log_json)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

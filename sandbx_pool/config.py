@@ -1,0 +1,127 @@
+"""Settings: TOML files validated by msgspec, every key with a default.
+
+``configs/default.toml`` documents each key. An unknown key or a wrong type is a ConfigError
+naming the key and the file. Command-line flags override the file (``Config.override``).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import tomllib
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from sandbx_pool.errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+class JournalPolicy(enum.StrEnum):
+    ALWAYS = "always"  # fsync every record before the call goes on
+    SIDE_EFFECTS = (
+        "side-effects"  # fsync intents of write/edit/bash before dispatch; batch the rest
+    )
+    BATCH = "batch"  # group-commit everything within group_commit_ms
+    OFF = "off"  # write, never fsync (the OS flushes when it likes)
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class PoolSettings(_Section):
+    workers: Annotated[int, Meta(ge=1)] | None = None
+    prefork: Annotated[int, Meta(ge=0)] | None = None
+    close_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
+
+
+class CallSettings(_Section):
+    timeout_s: Annotated[float, Meta(gt=0)] | None = None
+    max_output_bytes: Annotated[int, Meta(ge=1024)] = 1 * MiB
+    grace_s: Annotated[float, Meta(ge=0)] = 1.0
+    kill_wait_s: Annotated[float, Meta(gt=0)] = 0.5
+
+
+class JournalSettings(_Section):
+    policy: JournalPolicy = JournalPolicy.SIDE_EFFECTS
+    group_commit_ms: Annotated[float, Meta(ge=0)] = 5.0
+    summarize_over_bytes: Annotated[int, Meta(ge=64)] = 4096
+
+
+class EnvSettings(_Section):
+    allow: list[str] = msgspec.field(default_factory=lambda: ["PATH", "HOME", "LANG", "TERM"])
+    set: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class LimitSettings(_Section):
+    address_space_mb: Annotated[int, Meta(ge=16)] | None = None
+    cpu_s: Annotated[int, Meta(ge=1)] | None = None
+    open_files: Annotated[int, Meta(ge=16)] | None = None
+    file_size_mb: Annotated[int, Meta(ge=1)] | None = None
+
+
+class GateRule(_Section):
+    """One approval rule; the first rule that matches a call decides."""
+
+    action: Annotated[str, Meta(pattern="^(allow|deny)$")]
+    tool: str = "*"
+    path: str | None = None
+    command: str | None = None
+    name: str | None = None
+
+
+class GateSettings(_Section):
+    rules: list[GateRule] = msgspec.field(default_factory=list)
+
+
+class Config(_Section):
+    pool: PoolSettings = msgspec.field(default_factory=PoolSettings)
+    calls: CallSettings = msgspec.field(default_factory=CallSettings)
+    journal: JournalSettings = msgspec.field(default_factory=JournalSettings)
+    env: EnvSettings = msgspec.field(default_factory=EnvSettings)
+    limits: LimitSettings = msgspec.field(default_factory=LimitSettings)
+    gate: GateSettings = msgspec.field(default_factory=GateSettings)
+
+    def workers(self) -> int:
+        if self.pool.workers is not None:
+            return self.pool.workers
+        return max(4, 2 * (os.cpu_count() or 1))
+
+    def override(self, **sections: dict[str, Any]) -> Config:
+        """A copy with some keys replaced: ``config.override(pool={"workers": 8})``."""
+        data = msgspec.to_builtins(self)
+        for section, values in sections.items():
+            data[section].update({k: v for k, v in values.items() if v is not None})
+        return _convert(data, "<override>")
+
+
+def _convert(data: Any, source: str) -> Config:
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = re.search(r" - at `\$\.(.+)`$", message)
+        if match:
+            key = match.group(1)
+            message = message[: match.start()]
+            raise ConfigError(f"{source}: {key}: {message}") from None
+        raise ConfigError(f"{source}: {message}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Read a TOML file into a Config; None gives the defaults."""
+    if path is None:
+        return Config()
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    return _convert(data, source)

@@ -1,0 +1,38 @@
+"""Lexical confinement, checked before anything is forked.
+
+Only string operations: the coordinator never stats the workspace (a hung mount would hang it
+and every caller with it). Symlinks are resolved later, inside the worker (workers.paths).
+"""
+
+from __future__ import annotations
+
+import os
+
+from workers.schemas import ToolArgs
+
+
+def within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def resolve_cwd(workspace: str, cwd: str | None) -> str:
+    """The call's absolute cwd; raise ValueError when it leaves the workspace."""
+    if cwd is None:
+        return workspace
+    joined = os.path.normpath(os.path.join(workspace, cwd))
+    if not within(joined, workspace):
+        raise ValueError(f"cwd {cwd!r} is outside the workspace")
+    return joined
+
+
+def denial(workspace: str, cwd: str, args: ToolArgs) -> str | None:
+    """Why ``args`` are refused before any fork, or None when their paths stay inside."""
+    path = getattr(args, "path", None)
+    if not isinstance(path, str):
+        return None
+    if "\x00" in path:
+        return f"path contains a NUL byte: {path!r}"
+    joined = os.path.normpath(os.path.join(cwd, path))
+    if not within(joined, workspace):
+        return f"path {path!r} is outside the workspace"
+    return None

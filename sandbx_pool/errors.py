@@ -1,0 +1,31 @@
+"""Exceptions: misuse and broken infrastructure only. A tool's failure is an Outcome."""
+
+from __future__ import annotations
+
+
+class SandbxPoolError(Exception):
+    """Base class of everything sandbx-pool raises."""
+
+
+class PoolClosed(SandbxPoolError):
+    """The pool is closing or closed; it takes no more calls."""
+
+
+class PoolNotStarted(SandbxPoolError):
+    """The pool was used before ``async with`` (or ``await pool.start()``)."""
+
+
+class TemplateLost(SandbxPoolError):
+    """The template process that forks workers died; the pool cannot start more calls."""
+
+
+class ConfigError(SandbxPoolError):
+    """A configuration file or value is invalid; the message names the file and the key."""
+
+
+class JournalLocked(SandbxPoolError):
+    """Another coordinator is writing this journal."""
+
+
+class JournalError(SandbxPoolError):
+    """The journal cannot be opened or written."""

@@ -1,0 +1,653 @@
+"""The coordinator: runs each tool call in a disposable worker and journals it.
+
+    caller --await pool.call(tool, args)--> Pool.call
+        |  checks before anything forks: cancelled token, arguments, lexical paths, gate
+        |  journal intent (durable first when the call has side effects)
+        v
+    driver task (one per call) --takes an idle, pre-forked worker--> ROUTER.send(Call)
+        |  waits for the first of: Result | kill request (token, task, timeout, shutdown)
+        |  | the worker's exit (crash)
+        |  on a kill: SIGTERM (bash, then SIGKILL after the grace) or SIGKILL to the worker's
+        |  group, then wait for its exit; if it does not die (state D on a hung mount), the
+        |  caller is released anyway and the worker is quarantined until it is reaped
+        v
+    journal outcome --> Outcome to the caller
+
+Actors:
+
+* ``TemplateProcess`` forks workers ahead of demand (``prefork``) and reports their exits.
+* The receive task reads the ROUTER socket: ``Ready`` makes a worker idle, ``Result`` completes
+  its call. A message from anyone but the worker a call was dispatched to is dropped.
+* Each call runs in its own driver task, so that cancelling the caller's task only *requests*
+  the kill: the driver finishes the cleanup (shielded) and the caller gets its CancelledError
+  back afterwards.
+
+Scheduling decisions (which call gets which worker, how many to fork) are synchronous methods
+that update state; the I/O follows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import os
+import shutil
+import signal
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from loguru import logger
+
+from sandbx_pool import confine
+from sandbx_pool.cancel import CancelCallback, CancelToken
+from sandbx_pool.config import Config, JournalPolicy, load_config
+from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost
+from sandbx_pool.gate import Approver, Gate
+from sandbx_pool.journal import Journal
+from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
+from sandbx_pool.runtime_dir import default_journal_path, make_private_dir
+from sandbx_pool.template import TemplateProcess
+from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
+from workers.protocol import (
+    MAX_MESSAGE_BYTES,
+    Call,
+    ExecutionContext,
+    Exited,
+    FromTemplate,
+    Limits,
+    Ready,
+    Result,
+    Spawned,
+    encoder,
+    worker_decoder,
+)
+from workers.schemas import UnknownTool, parse_args
+
+#: A worker's Result and its exit notice travel on different channels, so the exit may be seen
+#: first. After a clean exit (the Result was handed to ZeroMQ), wait this long for it; after a
+#: crash, only this brief moment, in case it died right after sending.
+RESULT_IN_FLIGHT_S = 5.0
+CRASH_RESULT_GRACE_S = 0.05
+
+_MiB = 1024 * 1024
+
+
+class PoolState(enum.IntEnum):
+    NEW = 0
+    OPEN = 1
+    CLOSING = 2
+    CLOSED = 3
+
+
+class _Call:
+    """One call's state, shared by its caller, its driver task and the receive task."""
+
+    def __init__(
+        self,
+        call_id: str,
+        tool: str,
+        raw_args: Any,
+        timeout_s: float | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        limits: Limits | None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.call_id = call_id
+        self.tool = tool
+        self.raw_args = raw_args
+        self.timeout_s = timeout_s
+        self.cwd = cwd
+        self.env = env
+        self.limits = limits
+        self.started_at = time.monotonic()
+        self.context: ExecutionContext | None = None
+        self.worker: Worker | None = None
+        self.assigned: asyncio.Future[Worker] = loop.create_future()
+        self.result: asyncio.Future[Result] = loop.create_future()
+        self.kill_requested: asyncio.Future[None] = loop.create_future()
+        self.killer: KilledBy | None = None
+        self.reason: str | None = None
+
+    def request_kill(self, killer: KilledBy, reason: str | None = None) -> None:
+        # The first killer wins and is recorded here, before any signal is sent.
+        if self.killer is None and not self.kill_requested.done():
+            self.killer = killer
+            self.reason = reason
+            self.kill_requested.set_result(None)
+
+    def outcome(self, status: Status, **fields: Any) -> Outcome:
+        return Outcome(
+            call_id=self.call_id,
+            tool=self.tool,
+            status=status,
+            duration_s=time.monotonic() - self.started_at,
+            **fields,
+        )
+
+
+class Pool:
+    """Run tool calls in disposable workers. Use as ``async with Pool(workspace) as pool``."""
+
+    def __init__(
+        self,
+        workspace: str | os.PathLike[str],
+        *,
+        workers: int | None = None,
+        journal: str | os.PathLike[str] | None = None,
+        config: str | os.PathLike[str] | Config | None = None,
+        approve: Approver | None = None,
+    ) -> None:
+        self.config = config if isinstance(config, Config) else load_config(config)
+        if workers is not None:
+            self.config = self.config.override(pool={"workers": workers})
+        # abspath is lexical: the coordinator never touches the workspace's filesystem.
+        self.workspace = os.path.abspath(os.fspath(workspace))
+        self.max_workers = self.config.workers()
+        self.prefork = (
+            self.config.pool.prefork if self.config.pool.prefork is not None else self.max_workers
+        )
+        self._journal_path = os.fspath(journal) if journal is not None else None
+        self._gate = Gate(self.config.gate.rules, approve)
+        self.state = PoolState.NEW
+        self.journal: Journal | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runtime_dir: str | None = None
+        self._zmq: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._template: TemplateProcess | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._workers: dict[str, Worker] = {}
+        self._workers_by_pid: dict[int, Worker] = {}
+        self._idle: deque[Worker] = deque()
+        self._waiting: deque[_Call] = deque()
+        self._calls: dict[str, _Call] = {}
+        self._drivers: set[asyncio.Task[Outcome]] = set()
+        self._busy = 0
+        self._starting = 0
+        self._ids = itertools.count(1)
+        self._id_prefix = f"{os.getpid():x}-{int(time.time()):x}"
+        self._template_lost = False
+        self._closed = asyncio.Event()
+
+    def __repr__(self) -> str:
+        stuck = sum(w.state is WorkerState.QUARANTINED for w in self._workers.values())
+        return (
+            f"<Pool [{self.state.name} | Calls: {self._busy} active, {len(self._waiting)} queued"
+            f" | Workers: {len(self._idle)} idle, {self._starting} starting, {stuck} stuck]>"
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Pool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self.state is not PoolState.NEW:
+            raise PoolClosed("a pool is started once")
+        self._loop = asyncio.get_running_loop()
+        self._runtime_dir = make_private_dir()
+        try:
+            journal_path = self._journal_path or default_journal_path()
+            if self.config.journal.policy is not JournalPolicy.OFF or self._journal_path:
+                self.journal = await Journal.open(journal_path, self.config.journal)
+            if self._journal_path is None and self.journal is not None:
+                logger.info("journal: {}", self.journal.path)
+            endpoint = f"ipc://{self._runtime_dir}/coordinator.sock"
+            self._zmq = zmq.asyncio.Context(io_threads=1)
+            self._router = self._zmq.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.bind(endpoint)
+            self._receiver = asyncio.create_task(self._receive(), name="sandbx-receive")
+            self._template = TemplateProcess(endpoint, self._on_template, self._on_template_lost)
+            await self._template.start()
+        except BaseException:
+            await self._teardown()
+            raise
+        self.state = PoolState.OPEN
+        self._replenish()
+
+    async def close(self) -> None:
+        """Cancel what is in flight (killer ``shutdown``), kill every worker, clean up. Bounded."""
+        if self.state is PoolState.NEW:
+            self.state = PoolState.CLOSED
+            return
+        if self.state >= PoolState.CLOSING:
+            await self._closed.wait()
+            return
+        self.state = PoolState.CLOSING
+        for call in self._calls.values():
+            call.request_kill(KilledBy.SHUTDOWN, "pool closing")
+        drivers = [task for task in self._drivers if not task.done()]
+        if drivers:
+            _, pending = await asyncio.wait(drivers, timeout=self.config.pool.close_timeout_s)
+            for task in pending:
+                logger.warning("call {} did not finish while closing", task.get_name())
+        try:
+            await self._teardown()
+        finally:
+            self.state = PoolState.CLOSED
+            self._closed.set()
+
+    def kill_now(self) -> None:
+        """SIGKILL every worker group at once, without waiting or journaling (last resort)."""
+        for worker in list(self._workers.values()):
+            worker.signal_group(signal.SIGKILL)
+        if self._template is not None:
+            self._template.kill()
+
+    async def _teardown(self) -> None:
+        for worker in list(self._workers.values()):
+            if worker.state is not WorkerState.QUARANTINED:
+                worker.signal_group(signal.SIGKILL)
+        if self._template is not None:
+            await self._template.close()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiver
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._zmq is not None:
+            self._zmq.term()
+        if self.journal is not None:
+            await self.journal.close()
+        if self._runtime_dir is not None:
+            shutil.rmtree(self._runtime_dir, ignore_errors=True)
+        stuck = [w for w in self._workers.values() if w.state is WorkerState.QUARANTINED]
+        for worker in stuck:
+            logger.warning("closing with stuck worker {}", describe_stuck(worker))
+
+    # -- the public call -------------------------------------------------------------------
+
+    async def call(
+        self,
+        tool: str,
+        args: dict[str, Any],
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the contract's name; it is a kill deadline)
+        cancel: CancelToken | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        limits: Limits | None = None,
+        call_id: str | None = None,
+    ) -> Outcome:
+        """Run one tool call in a fresh worker and return how it ended.
+
+        ``timeout`` counts from the moment a worker takes the call (time queued behind
+        ``workers`` busy ones does not count). Cancelling the awaiting task kills the call;
+        the CancelledError is re-raised once the worker is gone.
+        """
+        if self.state is PoolState.NEW:
+            raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
+        if self.state is not PoolState.OPEN:
+            raise PoolClosed("the pool is closed")
+        if self._template_lost:
+            raise TemplateLost("the worker template died; open a new pool")
+        call = _Call(
+            call_id or f"{self._id_prefix}-{next(self._ids)}",
+            tool,
+            args,
+            timeout if timeout is not None else self.config.calls.timeout_s,
+            cwd,
+            env,
+            limits,
+        )
+        # Subscribing to a token that is already cancelled requests the kill at once, so the
+        # call is refused before anything is forked.
+        unsubscribe = cancel.subscribe(self._token_callback(call)) if cancel else None
+        driver = asyncio.create_task(self._drive(call), name=call.call_id)
+        self._drivers.add(driver)
+        driver.add_done_callback(self._drivers.discard)
+        self._calls[call.call_id] = call
+        try:
+            return await asyncio.shield(driver)
+        except asyncio.CancelledError:
+            call.request_kill(KilledBy.TASK, "the awaiting task was cancelled")
+            # Cleanup runs to its end whatever happens to us; our own cancellation follows it.
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(driver)
+            raise
+        finally:
+            self._calls.pop(call.call_id, None)
+            if unsubscribe is not None:
+                unsubscribe()
+
+    def _token_callback(self, call: _Call) -> CancelCallback:
+        loop = self._loop
+        assert loop is not None
+
+        def on_cancel(reason: str | None) -> None:
+            # cancel() may run on any thread; the call's state belongs to the loop's.
+            loop.call_soon_threadsafe(call.request_kill, KilledBy.TOKEN, reason)
+
+        return on_cancel
+
+    # -- one call's life ---------------------------------------------------------------------
+
+    async def _drive(self, call: _Call) -> Outcome:
+        """Journal the intent, run the call, journal its one outcome, whatever happens."""
+        if self.journal is not None:
+            raw = call.raw_args
+            await self.journal.intent(
+                call_id=call.call_id,
+                tool=call.tool,
+                args=raw if isinstance(raw, dict) else {"<invalid>": repr(raw)},
+                cwd=call.cwd or ".",
+                timeout_s=call.timeout_s,
+            )
+        try:
+            outcome = await self._run(call)
+        except Exception as exc:  # a coordinator bug must still end as exactly one outcome
+            logger.exception("call {} failed in the coordinator", call.call_id)
+            outcome = call.outcome(Status.CRASHED, error=f"coordinator error: {exc}")
+        if self.journal is not None:
+            self.journal.outcome(outcome)
+        return outcome
+
+    async def _run(self, call: _Call) -> Outcome:
+        # Checks that need no process, in order: nothing is forked for a refused call.
+        if call.killer is not None:
+            return self._killed_before_start(call)
+        try:
+            args = parse_args(call.tool, call.raw_args)
+        except (UnknownTool, msgspec.ValidationError) as exc:
+            return call.outcome(Status.ERROR, error=f"bad arguments: {exc}")
+        try:
+            call_cwd = confine.resolve_cwd(self.workspace, call.cwd)
+        except ValueError as exc:
+            return call.outcome(Status.DENIED, error=str(exc))
+        denial = confine.denial(self.workspace, call_cwd, args) or self._gate.denial(
+            call.tool, args
+        )
+        if denial is not None:
+            return call.outcome(Status.DENIED, error=denial)
+        call.context = ExecutionContext(
+            call_id=call.call_id,
+            workspace=self.workspace,
+            cwd=call_cwd,
+            env=self._call_env(call.env),
+            limits=call.limits or self._default_limits(),
+            max_output_bytes=self.config.calls.max_output_bytes,
+        )
+        if self.state is not PoolState.OPEN or self._template_lost:
+            call.request_kill(KilledBy.SHUTDOWN, "pool closing")
+        worker = await self._acquire(call)
+        if worker is None:
+            return self._killed_before_start(call)
+        try:
+            return await self._execute(call, worker)
+        finally:
+            self._release(worker)
+
+    def _killed_before_start(self, call: _Call) -> Outcome:
+        assert call.killer is not None
+        return call.outcome(
+            STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason
+        )
+
+    async def _execute(self, call: _Call, worker: Worker) -> Outcome:
+        self._dispatch(call, worker)
+        if self.journal is not None and worker.pid is not None:
+            self.journal.started(call.call_id, worker.pid)
+        timer = None
+        if call.timeout_s is not None:
+            assert self._loop is not None
+            reason = f"timed out after {call.timeout_s:g} s"
+            timer = self._loop.call_later(
+                call.timeout_s, call.request_kill, KilledBy.TIMEOUT, reason
+            )
+        try:
+            first: set[asyncio.Future[Any]] = {call.result, call.kill_requested, worker.exited}
+            await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if not call.result.done() and call.killer is None:
+            # The worker's exit notice came first, over another channel. A worker exits 0 only
+            # after ZeroMQ took its Result, so that Result is on its way: wait for it. After
+            # any other exit a Result is unlikely; still give it a moment.
+            clean_exit = worker.exited.result() == 0
+            grace = RESULT_IN_FLIGHT_S if clean_exit else CRASH_RESULT_GRACE_S
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(call.result), grace)
+        common: dict[str, Any] = {"started": True, "worker_pid": worker.pid}
+        if call.result.done():
+            result = call.result.result()
+            status = Status(result.status)
+            if status is Status.OUTPUT_LIMIT:
+                common["killed_by"] = KilledBy.OUTPUT_LIMIT
+            return call.outcome(
+                status, value=result.value, error=result.error, limit=result.limit, **common
+            )
+        if call.killer is not None:
+            if await self._stop_worker(call, worker):
+                common.update(quarantined=True, wchan=worker.wchan)
+            return call.outcome(
+                STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason, **common
+            )
+        returncode = worker.exited.result()
+        assert call.context is not None
+        return call.outcome(
+            Status.CRASHED,
+            error=_crash_message(returncode, call.context),
+            signal=-returncode if returncode < 0 else None,
+            limit="cpu" if returncode == -signal.SIGXCPU else None,
+            **common,
+        )
+
+    # -- workers: scheduling (synchronous decisions) -------------------------------------------
+
+    async def _acquire(self, call: _Call) -> Worker | None:
+        """Wait for an idle worker and a free slot; None if the call was killed meanwhile."""
+        if call.killer is not None:
+            return None
+        self._waiting.append(call)
+        self._assign()
+        self._replenish()
+        either: set[asyncio.Future[Any]] = {call.assigned, call.kill_requested}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if call.assigned.done():
+            worker = call.assigned.result()
+            if call.killer is None:
+                return worker
+            # Killed at the moment it got a worker: the worker never saw the call; reuse it.
+            self._busy -= 1
+            worker.state = WorkerState.IDLE
+            self._idle.appendleft(worker)
+            self._assign()
+            return None
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(call)
+        return None
+
+    def _assign(self) -> None:
+        while self._waiting and self._idle and self._busy < self.max_workers:
+            call = self._waiting.popleft()
+            worker = self._idle.popleft()
+            worker.state = WorkerState.BUSY
+            self._busy += 1
+            call.assigned.set_result(worker)
+
+    def _replenish(self) -> None:
+        if self.state is not PoolState.OPEN or self._template is None or self._template_lost:
+            return
+        wanted = min(self.prefork, self.max_workers) + max(0, len(self._waiting) - len(self._idle))
+        missing = wanted - len(self._idle) - self._starting
+        if missing > 0:
+            self._starting += missing
+            self._template.spawn(missing)
+
+    def _release(self, worker: Worker) -> None:
+        worker.call = None
+        if worker.exited.done():
+            self._workers.pop(worker.token, None)
+        self._busy -= 1
+        self._assign()
+        self._replenish()
+
+    def _dispatch(self, call: _Call, worker: Worker) -> None:
+        assert self._router is not None
+        assert call.context is not None
+        call.worker = worker
+        worker.call = call
+        message = encoder.encode(Call(tool=call.tool, args=call.raw_args, context=call.context))
+        try:
+            self._router.send_multipart([worker.identity, message], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # The worker vanished between Ready and now: its exit notice will end the call.
+            logger.warning("cannot send call {} to worker {}: {}", call.call_id, worker.pid, exc)
+
+    async def _stop_worker(self, call: _Call, worker: Worker) -> bool:
+        """Kill the worker's process group; True when it would not die and was quarantined."""
+        if call.tool == "bash" and self.config.calls.grace_s > 0:
+            # bash gets SIGTERM first so a command can clean up; file tools hold nothing worth it.
+            worker.signal_group(signal.SIGTERM)
+            if await worker.wait_exited(self.config.calls.grace_s):
+                return False
+        worker.signal_group(signal.SIGKILL)
+        if await worker.wait_exited(self.config.calls.kill_wait_s):
+            return False
+        worker.quarantine()
+        logger.warning(
+            "call {}: worker did not die after SIGKILL: {}", call.call_id, describe_stuck(worker)
+        )
+        return True
+
+    # -- events from the workers and the template ----------------------------------------------
+
+    async def _receive(self) -> None:
+        assert self._router is not None
+        while True:
+            frames = await self._router.recv_multipart()
+            try:
+                self._on_worker_message(frames)
+            except Exception:  # one bad message must never stop the receive loop
+                logger.exception("error while handling a worker message")
+
+    def _on_worker_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            logger.warning("dropped a message of {} frames", len(frames))
+            return
+        identity, payload = frames
+        try:
+            message = worker_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            logger.warning("dropped an undecodable message ({} bytes): {}", len(payload), exc)
+            return
+        worker = self._workers.get(identity.decode(errors="replace"))
+        if isinstance(message, Ready):
+            self._on_ready(identity, message, worker)
+        elif worker is None or worker.call is None:
+            logger.warning("dropped a result from a worker with no call")
+        elif message.call_id != worker.call.call_id:
+            logger.warning("dropped a result for the wrong call from worker {}", worker.pid)
+        elif not worker.call.result.done():
+            worker.call.result.set_result(message)
+
+    def _worker(self, token: str) -> Worker:
+        worker = self._workers.get(token)
+        if worker is None:
+            assert self._loop is not None
+            worker = Worker(token, self._loop)
+            self._workers[token] = worker
+        return worker
+
+    def _on_ready(self, identity: bytes, message: Ready, known: Worker | None) -> None:
+        if message.token.encode() != identity:
+            logger.warning("dropped a Ready whose token does not match its identity")
+            return
+        worker = known or self._worker(message.token)
+        worker.ready = True
+        self._maybe_idle(worker)
+
+    def _on_template(self, message: FromTemplate) -> None:
+        if isinstance(message, Spawned):
+            worker = self._worker(message.token)
+            worker.pid = message.pid
+            self._workers_by_pid[message.pid] = worker
+            self._maybe_idle(worker)
+        elif isinstance(message, Exited):
+            if message.pid not in self._workers_by_pid:
+                return
+            worker = self._workers_by_pid.pop(message.pid)
+            if worker.call is None:
+                # With a call in flight, keep it findable: its Result may still be on its way.
+                self._workers.pop(worker.token, None)
+            if worker.state is WorkerState.STARTING:
+                self._starting -= 1
+            elif worker.state is WorkerState.IDLE:
+                with contextlib.suppress(ValueError):
+                    self._idle.remove(worker)
+            elif worker.state is WorkerState.QUARANTINED:
+                logger.info("stuck worker {} finally exited ({})", worker.pid, message.returncode)
+            worker.mark_exited(message.returncode)
+            self._replenish()
+
+    def _maybe_idle(self, worker: Worker) -> None:
+        if worker.state is WorkerState.STARTING and worker.ready and worker.pid is not None:
+            self._starting -= 1
+            worker.state = WorkerState.IDLE
+            self._idle.append(worker)
+            self._assign()
+
+    def _on_template_lost(self) -> None:
+        self._template_lost = True
+        for call in self._waiting:
+            call.request_kill(KilledBy.SHUTDOWN, "the worker template died")
+        for worker in list(self._workers.values()):
+            worker.signal_group(signal.SIGKILL)
+            worker.mark_exited(-signal.SIGKILL)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _call_env(self, env: dict[str, str] | None) -> dict[str, str]:
+        """The scrubbed environment: the allowlist from ours, the config's, then the call's."""
+        scrubbed = {k: os.environ[k] for k in self.config.env.allow if k in os.environ}
+        scrubbed.setdefault("PATH", os.defpath)
+        scrubbed.update(self.config.env.set)
+        if env:
+            scrubbed.update(env)
+        return scrubbed
+
+    def _default_limits(self) -> Limits:
+        limits = self.config.limits
+        return Limits(
+            address_space_bytes=_mib(limits.address_space_mb),
+            cpu_seconds=limits.cpu_s,
+            open_files=limits.open_files,
+            file_size_bytes=_mib(limits.file_size_mb),
+        )
+
+    def stuck_workers(self) -> list[dict[str, Any]]:
+        """Workers that did not die after SIGKILL, with where the kernel holds them."""
+        return [
+            {"pid": w.pid, "wchan": w.wchan, "state": w.proc_state(), "since": w.quarantined_at}
+            for w in self._workers.values()
+            if w.state is WorkerState.QUARANTINED
+        ]
+
+
+def _mib(value: int | None) -> int | None:
+    return None if value is None else value * _MiB
+
+
+def _crash_message(returncode: int, context: ExecutionContext) -> str:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        if returncode == -signal.SIGXCPU:
+            return f"CPU time limit exceeded ({context.limits.cpu_seconds} s): killed by {name}"
+        return f"worker died without answering: killed by {name}"
+    return f"worker exited with status {returncode} without answering"

@@ -1,0 +1,31 @@
+"""Where a pool keeps its socket (private, removed on close) and its default journals (kept)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+import time
+
+
+def runtime_root() -> str:
+    """A per-user directory, mode 0700: $XDG_RUNTIME_DIR/sandbx-pool or /tmp/sandbx-pool-UID."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    root = os.path.join(base, "sandbx-pool") if base else f"/tmp/sandbx-pool-{os.getuid()}"
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    st = os.lstat(root)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{root} must be a directory owned by uid {os.getuid()}, mode 0700")
+    return root
+
+
+def make_private_dir() -> str:
+    """A fresh 0700 directory for one pool's ZeroMQ socket (ipc paths must stay short)."""
+    return tempfile.mkdtemp(prefix="pool-", dir=runtime_root())
+
+
+def default_journal_path() -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    directory = os.path.join(runtime_root(), "journals")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    return os.path.join(directory, f"{stamp}-{os.getpid()}-{secrets.token_hex(3)}.jsonl")

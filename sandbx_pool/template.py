@@ -1,0 +1,160 @@
+"""The coordinator's handle on the template process that forks the workers.
+
+PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, not when its process
+does. The template arms it (so it dies with us, even on SIGKILL), so it must be started from a
+thread that lives exactly as long as the pool: an executor thread is retired after its idle
+keep-alive and would take the template, and every worker, with it. ``TemplateProcess`` owns
+such a thread. Messages travel over a SOCK_SEQPACKET socketpair read on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+from loguru import logger
+
+from sandbx_pool.errors import TemplateLost
+from workers.protocol import (
+    FromTemplate,
+    Shutdown,
+    Spawn,
+    TemplateReady,
+    encoder,
+    from_template_decoder,
+)
+
+#: How long the template may take to start (an interpreter plus the preloaded modules).
+START_TIMEOUT_S = 30.0
+
+
+class TemplateProcess:
+    def __init__(
+        self,
+        endpoint: str,
+        on_message: Callable[[FromTemplate], None],
+        on_lost: Callable[[], None],
+    ) -> None:
+        self._endpoint = endpoint
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._sock, self._child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.setblocking(False)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._start_error: BaseException | None = None
+        self._started = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._thread_main, name="sandbx-template", daemon=True
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[TemplateReady] | None = None
+        self.pid: int | None = None
+        self.containment: str | None = None
+        self.closed = False
+
+    def _thread_main(self) -> None:
+        try:
+            self._process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "workers.template",
+                    f"--control-fd={self._child_sock.fileno()}",
+                    f"--endpoint={self._endpoint}",
+                    f"--parent-pid={os.getpid()}",
+                ],
+                pass_fds=[self._child_sock.fileno()],
+                stdin=subprocess.DEVNULL,
+                # Own session: a Ctrl-C at our terminal reaches us, and we stop calls in order.
+                start_new_session=True,
+            )
+        except BaseException as exc:
+            self._start_error = exc
+        finally:
+            self._child_sock.close()
+            self._started.set()
+        # Live as long as the pool: the template's PDEATHSIG is tied to this thread.
+        self._stop.wait()
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._loop.add_reader(self._sock.fileno(), self._on_readable)
+        self._thread.start()
+        await asyncio.to_thread(self._started.wait)
+        if self._start_error is not None:
+            self._loop.remove_reader(self._sock.fileno())
+            raise TemplateLost(f"cannot start the worker template: {self._start_error}")
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(self._ready), START_TIMEOUT_S)
+        except TimeoutError:
+            raise TemplateLost("the worker template did not start in time") from None
+        self.pid = ready.pid
+        self.containment = ready.containment
+        logger.debug("worker template {} up, containment {}", ready.pid, ready.containment)
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._lost()
+                return
+            message = from_template_decoder.decode(data)
+            if isinstance(message, TemplateReady):
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(message)
+                continue
+            self._on_message(message)
+
+    def _lost(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self._sock.fileno())
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(TemplateLost("the worker template exited while starting"))
+        if not self.closed:
+            self.closed = True
+            logger.error("the worker template exited unexpectedly")
+            self._on_lost()
+
+    def spawn(self, count: int) -> None:
+        if count > 0 and not self.closed:
+            try:
+                self._sock.send(encoder.encode(Spawn(count=count)))
+            except OSError:
+                self._lost()
+
+    def kill(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+
+    async def close(self) -> None:
+        """Ask the template to kill its workers and exit; bounded, even if it is stuck."""
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                self._sock.send(encoder.encode(Shutdown()))
+        if self._loop is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._sock.fileno())
+        self._stop.set()
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, 10)
+        self._sock.close()

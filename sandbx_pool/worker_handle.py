@@ -1,0 +1,81 @@
+"""The coordinator's view of one worker process: its lifecycle, its group, its exit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import time
+from typing import Any
+
+
+class WorkerState(enum.IntEnum):
+    STARTING = 0  # forked, not yet both Spawned (pid known) and Ready (connected)
+    IDLE = 1  # connected, waiting for its one call
+    BUSY = 2  # running a call
+    QUARANTINED = 3  # SIGKILLed but not dead (stuck in the kernel); no longer counts as busy
+    EXITED = 4
+
+
+class Worker:
+    def __init__(self, token: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.token = token
+        self.identity = token.encode()
+        self.pid: int | None = None
+        self.ready = False
+        self.state = WorkerState.STARTING
+        self.call: Any = None
+        self.exited: asyncio.Future[int] = loop.create_future()
+        self.wchan: str | None = None
+        self.quarantined_at: float | None = None
+
+    def __repr__(self) -> str:
+        return f"<Worker pid={self.pid} {self.state.name}>"
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the worker's process group (it is its session and group leader)."""
+        if self.pid is None or self.exited.done():
+            return
+        # Only "no such process" is expected: the group may be gone already.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+
+    async def wait_exited(self, within_s: float) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.shield(self.exited), within_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def mark_exited(self, returncode: int) -> None:
+        self.state = WorkerState.EXITED
+        if not self.exited.done():
+            self.exited.set_result(returncode)
+
+    def quarantine(self) -> None:
+        self.state = WorkerState.QUARANTINED
+        self.quarantined_at = time.time()
+        self.wchan = self._read_proc("wchan")
+
+    def proc_state(self) -> str | None:
+        status = self._read_proc("status")
+        if status is None:
+            return None
+        for line in status.splitlines():
+            if line.startswith("State:"):
+                return line.split(":", 1)[1].strip()
+        return None
+
+    def _read_proc(self, name: str) -> str | None:
+        if self.pid is None:
+            return None
+        try:
+            with open(f"/proc/{self.pid}/{name}") as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
+
+
+def describe_stuck(worker: Worker) -> str:
+    return f"pid {worker.pid}, state {worker.proc_state()}, wchan {worker.wchan}"
