@@ -10,11 +10,21 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from sandbx_pool import Pool
+from sandbx_pool import Config, Pool
 
-#: Command-line fragments of anything a test may start, directly or through a worker.
-_OURS = ("workers.template", "sleep", "bash", "sandbx-pool", "sandbx_pool", "python")
+#: Marks every process this test session starts: the template and workers inherit it from our
+#: environment, and tools' commands get it through the pool's env (see ``marked_config``).
+#: Orphans carrying it are ours; orphans without it belong to someone else on this machine.
+MARKER = "SANDBX_TEST_SESSION"
+os.environ.setdefault(MARKER, f"{os.getpid()}-{time.time_ns()}")
+_MARK = f"{MARKER}={os.environ[MARKER]}".encode()
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def marked_config(**sections: dict[str, object]) -> Config:
+    """The default config plus whatever is given, with the test marker in every call's env."""
+    config = Config().override(env={"set": {MARKER: os.environ[MARKER]}})
+    return config.override(**sections) if sections else config
 
 
 def _stat(pid: int) -> tuple[int, float] | None:
@@ -27,6 +37,14 @@ def _stat(pid: int) -> tuple[int, float] | None:
     if fields[0] == "Z":
         return None  # a zombie holds nothing; its parent reaps it
     return int(fields[1]), int(fields[19]) / _CLK_TCK
+
+
+def _marked(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return _MARK in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def _cmdline(pid: int) -> str:
@@ -45,8 +63,8 @@ def _uptime() -> float:
 def leftover_processes(since: float) -> list[str]:
     """Processes started after ``since`` (uptime seconds) that are ours and still alive.
 
-    Ours: descendants of this test process, or orphans (reparented to init) whose command line
-    looks like something a test starts (a worker's escaped ``sleep``, a template).
+    Ours: descendants of this test process, or orphans (reparented to init) that carry this
+    session's marker in their environment (a worker's escaped ``sleep``, a template).
     """
     me = os.getpid()
     table = {}
@@ -60,9 +78,8 @@ def leftover_processes(since: float) -> list[str]:
         ancestor, hops = ppid, 0
         while ancestor not in (0, 1, me) and hops < 64:
             ancestor, hops = table.get(ancestor, (0, 0.0))[0], hops + 1
-        cmd = _cmdline(pid)
-        if ancestor == me or (ancestor in (0, 1) and any(tag in cmd for tag in _OURS)):
-            found.append(f"{pid} {cmd}")
+        if ancestor == me or (ancestor in (0, 1) and _marked(pid)):
+            found.append(f"{pid} {_cmdline(pid)}")
     return found
 
 
@@ -97,5 +114,6 @@ def workspace(tmp_path: Path) -> Path:
 
 @pytest.fixture
 async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    async with Pool(workspace, workers=4, journal=tmp_path / "journal.jsonl") as p:
+    config = marked_config(pool={"workers": 4})
+    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
         yield p
