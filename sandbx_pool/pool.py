@@ -41,7 +41,6 @@ from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 from loguru import logger
 
 from sandbx_pool import confine
@@ -159,10 +158,10 @@ class Pool:
         self.journal: Journal | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runtime_dir: str | None = None
-        self._zmq: zmq.asyncio.Context | None = None
-        self._router: zmq.asyncio.Socket | None = None
+        self._zmq: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._router_fd: int | None = None
         self._template: TemplateProcess | None = None
-        self._receiver: asyncio.Task[None] | None = None
         self._workers: dict[str, Worker] = {}
         self._workers_by_pid: dict[int, Worker] = {}
         self._idle: deque[Worker] = deque()
@@ -204,13 +203,16 @@ class Pool:
             if self._journal_path is None and self.journal is not None:
                 logger.info("journal: {}", self.journal.path)
             endpoint = f"ipc://{self._runtime_dir}/coordinator.sock"
-            self._zmq = zmq.asyncio.Context(io_threads=1)
+            self._zmq = zmq.Context(io_threads=1)
             self._router = self._zmq.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.bind(endpoint)
-            self._receiver = asyncio.create_task(self._receive(), name="sandbx-receive")
+            # A plain socket read from the loop's own reader callback: zmq.asyncio's futures
+            # and poller cost more per message than the whole receive path below.
+            self._router_fd = int(self._router.getsockopt(zmq.FD))
+            self._loop.add_reader(self._router_fd, self._receive)
             self._template = TemplateProcess(endpoint, self._on_template, self._on_template_lost)
             await self._template.start()
         except BaseException:
@@ -254,10 +256,8 @@ class Pool:
                 worker.signal_group(signal.SIGKILL)
         if self._template is not None:
             await self._template.close()
-        if self._receiver is not None:
-            self._receiver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._receiver
+        if self._router_fd is not None and self._loop is not None:
+            self._loop.remove_reader(self._router_fd)
         if self._router is not None:
             self._router.close(linger=0)
         if self._zmq is not None:
@@ -506,6 +506,10 @@ class Pool:
         message = encoder.encode(Call(tool=call.tool, args=call.raw_args, context=call.context))
         try:
             self._router.send_multipart([worker.identity, message], flags=zmq.NOBLOCK)
+            # ZeroMQ's FD is edge-triggered and a send can consume the edge of a message that
+            # arrived meanwhile: look again once this turn of the loop is over.
+            assert self._loop is not None
+            self._loop.call_soon(self._receive)
         except zmq.ZMQError as exc:
             # The worker vanished between Ready and now: its exit notice will end the call.
             logger.warning("cannot send call {} to worker {}: {}", call.call_id, worker.pid, exc)
@@ -528,13 +532,16 @@ class Pool:
 
     # -- events from the workers and the template ----------------------------------------------
 
-    async def _receive(self) -> None:
-        assert self._router is not None
-        while True:
-            frames = await self._router.recv_multipart()
+    def _receive(self) -> None:
+        """Handle every message waiting on the ROUTER socket (its FD became readable)."""
+        router = self._router
+        if router is None or router.closed:
+            return
+        while int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frames = router.recv_multipart(zmq.NOBLOCK)
             try:
                 self._on_worker_message(frames)
-            except Exception:  # one bad message must never stop the receive loop
+            except Exception:  # one bad message must never stop the receive path
                 logger.exception("error while handling a worker message")
 
     def _on_worker_message(self, frames: list[bytes]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import select
 import selectors
@@ -34,6 +35,7 @@ import workers.tools
 from workers import containment
 from workers.protocol import (
     Exited,
+    Result,
     Shutdown,
     Spawn,
     Spawned,
@@ -41,6 +43,7 @@ from workers.protocol import (
     encoder,
     to_template_decoder,
 )
+from workers.schemas import parse_args
 
 #: How long shutdown waits to reap the workers it killed before leaving the stuck ones behind.
 SHUTDOWN_REAP_S = 2.0
@@ -180,6 +183,30 @@ class Template:
         # dies (its PDEATHSIG fires with us) when the kernel lets it go.
 
 
+def warm_up() -> None:
+    """Do once, here, the work every worker would otherwise repeat after its fork.
+
+    msgspec builds a type's validation info on first use (annotation evaluation, a few ms);
+    doing it before forking means each worker inherits it. gc.freeze() then moves every object
+    to a generation the collector never scans, so a worker's collections do not touch (and
+    copy-on-write) the template's pages.
+    """
+    samples: dict[str, dict[str, object]] = {
+        "read": {"path": "x"},
+        "write": {"path": "x", "content": ""},
+        "edit": {"path": "x", "old_string": "a", "new_string": "b"},
+        "ls": {},
+        "grep": {"pattern": "x"},
+        "find": {"pattern": "*"},
+        "bash": {"command": "true"},
+    }
+    for tool, args in samples.items():
+        parse_args(tool, args)
+    encoder.encode(Result(call_id="", status="ok", value={}))
+    gc.collect()
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workers.template")
     parser.add_argument("--control-fd", type=int, required=True)
@@ -190,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != args.parent_pid:  # the coordinator died before PDEATHSIG was armed
         return 1
     containment.set_child_subreaper()
+    warm_up()
     control = socket.socket(fileno=args.control_fd)
     Template(control, args.endpoint).run()
     return 0
