@@ -218,6 +218,9 @@ class Pool:
         except BaseException:
             await self._teardown()
             raise
+        if self.state is not PoolState.NEW:  # close() was called while we were starting
+            await self._teardown()
+            raise PoolClosed("the pool was closed while it was starting")
         self.state = PoolState.OPEN
         self._replenish()
 
@@ -637,6 +640,20 @@ class Pool:
             open_files=limits.open_files,
             file_size_bytes=_mib(limits.file_size_mb),
         )
+
+    def running(self) -> list[dict[str, Any]]:
+        """Calls a worker has taken and not finished: call id, tool, worker pid, seconds so far."""
+        now = time.monotonic()
+        return [
+            {
+                "call_id": call.call_id,
+                "tool": call.tool,
+                "pid": call.worker.pid,
+                "elapsed_s": now - call.started_at,
+            }
+            for call in self._calls.values()
+            if call.worker is not None and not call.result.done()
+        ]
 
     def stuck_workers(self) -> list[dict[str, Any]]:
         """Workers that did not die after SIGKILL, with where the kernel holds them."""

@@ -37,9 +37,13 @@ class Worker:
         """Signal the worker's process group (it is its session and group leader)."""
         if self.pid is None or self.exited.done():
             return
-        # Only "no such process" is expected: the group may be gone already.
+        # Only "no such process" is expected: the group may be gone already, or (for a worker
+        # still starting) not made yet, which is why the pid itself is signalled too.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, sig)
+        if self.state is WorkerState.STARTING:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     async def wait_exited(self, within_s: float) -> bool:
         try:

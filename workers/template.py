@@ -171,6 +171,9 @@ class Template:
     def shutdown(self) -> None:
         """Kill every worker and reap them, bounded: a worker stuck in the kernel is left."""
         for pid in self.workers:
+            # The pid too: a worker forked a moment ago may not have called setsid() yet.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
         deadline = time.monotonic() + SHUTDOWN_REAP_S
