@@ -95,6 +95,7 @@ def _cmd_call(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from sandbx_pool.batch_commands import add_batch_parsers
     from sandbx_pool.journal_commands import add_journal_parser
 
     parser = argparse.ArgumentParser(
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--format", choices=["anthropic", "openai", "mcp"], default="anthropic")
     schema.set_defaults(func=_cmd_schema)
 
+    add_batch_parsers(commands)
     add_journal_parser(commands)
     return parser
 

@@ -1,0 +1,248 @@
+"""The batch file of ``sandbx-pool run``: one tool call a line, loaded into typed ``CallSpec``s.
+
+Each non-blank line of CALLS.jsonl is a JSON object::
+
+    {"tool": "read", "args": {"path": "a.txt"}, "timeout": 5, "id": "c1", "cwd": "src",
+     "after": ["c0"]}
+
+``tool`` is required; ``args`` defaults to ``{}``; ``timeout`` (seconds) defaults to the
+config's ``calls.timeout_s``; ``cwd`` to the workspace root. ``meta`` is anything the file's
+author wants to keep with the line (an episode, a step); the runner ignores it. Any other key is
+an error, so that a typo ("timout") is not silently ignored. ``after`` lists ids of *earlier*
+lines that must have finished (whatever their outcome) before this call starts: it orders a
+write before the edit of the same file, which parallel lanes would otherwise race.
+
+``id`` is what ``--resume`` and the journal know the call by. Without one, the id is derived
+from the line's content, not its position: ``sha256`` of the canonical JSON of tool, args,
+timeout (and cwd when given), plus the occurrence index among identical lines, so that adding
+or removing *other* lines keeps the ids of a resumed file valid, and two identical lines stay
+two calls.
+
+The whole file is checked before anything runs: a structural problem (bad JSON, no ``tool``,
+an unknown tool, ``args`` not an object, a duplicate id, ...) is a ``BatchFileError`` listing
+the lines and what is wrong with each. Arguments the tool's schema rejects are *not* file
+errors: such a call ends as an ``error`` outcome like any other misuse of a tool, which is
+what an evaluation replaying an agent's calls wants to see; they are reported up front as
+``warnings`` so that a typo is noticed before a long run rather than after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Final
+
+import msgspec
+
+from sandbx_pool.errors import SandbxPoolError
+from workers.schemas import TOOL_ARGS, UnknownTool, parse_args
+
+#: The keys a line may have. Anything else is a typo worth stopping for ("timout").
+LINE_KEYS: Final = ("tool", "args", "timeout", "id", "cwd", "after", "meta")
+
+#: Problems listed in a BatchFileError; a file wrong on every line needs no 20,000-line message.
+MAX_REPORTED: Final = 20
+
+#: Hex digits of the sha256 kept in a derived id: 64 bits, no collision in any real batch.
+ID_HEX_DIGITS: Final = 16
+
+
+class CallSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of a batch file. ``line`` is 1-based."""
+
+    line: int
+    call_id: str
+    tool: str
+    args: dict[str, Any]
+    timeout_s: float | None = None
+    cwd: str | None = None
+    after: tuple[str, ...] = ()
+
+
+class LineProblem(msgspec.Struct, frozen=True):
+    line: int
+    message: str
+
+
+class BatchFile(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    calls: list[CallSpec]
+    #: Lines whose arguments the tool will refuse (they will end as ``error`` outcomes).
+    warnings: list[LineProblem] = msgspec.field(default_factory=list)
+
+
+class BatchFileError(SandbxPoolError):
+    """The batch file is malformed; ``problems`` says which lines and what is wrong."""
+
+    def __init__(self, path: str, problems: list[LineProblem], total: int | None = None) -> None:
+        self.path = path
+        self.problems = problems
+        self.total = len(problems) if total is None else total
+        lines = [
+            f"{path}:{p.line}: {p.message}" if p.line else f"{path}: {p.message}" for p in problems
+        ]
+        if self.total > len(problems):
+            lines.append(f"... and {self.total - len(problems)} more problem(s)")
+        super().__init__("\n".join(lines))
+
+
+def canonical_json(tool: str, args: Any, timeout_s: float | None, cwd: str | None) -> str:
+    """The form hashed into a derived id: sorted keys, no spaces, timeout as a float."""
+    content: dict[str, Any] = {"tool": tool, "args": args, "timeout": timeout_s}
+    if cwd is not None:
+        content["cwd"] = cwd
+    return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def derived_id(canonical: str, occurrence: int) -> str:
+    """``<16 hex digits of sha256>-<n>``: the n-th (0-based) line with this content."""
+    digest = hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{digest[:ID_HEX_DIGITS]}-{occurrence}"
+
+
+def load_batch(path: str | os.PathLike[str]) -> BatchFile:
+    """Read and check a batch file. Raises BatchFileError, or OSError if it cannot be read."""
+    name = os.fspath(path)
+    with open(name, "rb") as f:
+        return parse_batch(f, name)
+
+
+def parse_batch(lines: Iterable[bytes | str], path: str = "<calls>") -> BatchFile:
+    """Check every line; return the calls in file order, or raise one error listing problems."""
+    problems: list[LineProblem] = []
+    calls: list[CallSpec] = []
+    seen_ids: dict[str, int] = {}
+    occurrences: Counter[str] = Counter()
+    for number, raw in enumerate(lines, start=1):
+        try:
+            spec = _parse_line(number, raw, occurrences, seen_ids)
+        except _BadLine as exc:
+            problems.append(LineProblem(number, str(exc)))
+            continue
+        if spec is not None:
+            seen_ids[spec.call_id] = number
+            calls.append(spec)
+    if problems:
+        raise BatchFileError(path, problems[:MAX_REPORTED], len(problems))
+    return BatchFile(path=path, calls=calls, warnings=_argument_warnings(calls))
+
+
+class _BadLine(Exception):
+    pass
+
+
+def _parse_line(
+    number: int, raw: bytes | str, occurrences: Counter[str], seen_ids: dict[str, int]
+) -> CallSpec | None:
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _BadLine(f"not UTF-8 (byte {exc.start + 1})") from None
+    if not raw.strip():
+        return None
+    try:
+        item = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise _BadLine(f"bad JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(item, dict):
+        raise _BadLine(f"expected a JSON object, got {_json_type(item)}")
+    unknown = sorted(set(item) - set(LINE_KEYS))
+    if unknown:
+        raise _BadLine(f"unknown key {unknown[0]!r} (a line may have: {', '.join(LINE_KEYS)})")
+    tool = _tool(item)
+    args = item.get("args", {})
+    if not isinstance(args, dict):
+        raise _BadLine(f'"args" must be an object, got {_json_type(args)}')
+    timeout_s = _timeout(item.get("timeout"))
+    cwd = item.get("cwd")
+    if cwd is not None and not isinstance(cwd, str):
+        raise _BadLine(f'"cwd" must be a string, got {_json_type(cwd)}')
+    after = _after(item.get("after", []), seen_ids)
+    if "id" in item:
+        call_id = _explicit_id(item["id"])
+    else:
+        canonical = canonical_json(tool, args, timeout_s, cwd)
+        call_id = derived_id(canonical, occurrences[canonical])
+        occurrences[canonical] += 1
+    if call_id in seen_ids:
+        raise _BadLine(f"id {call_id!r} is already used by line {seen_ids[call_id]}")
+    return CallSpec(
+        line=number,
+        call_id=call_id,
+        tool=tool,
+        args=args,
+        timeout_s=timeout_s,
+        cwd=cwd,
+        after=after,
+    )
+
+
+def _tool(item: dict[str, Any]) -> str:
+    if "tool" not in item:
+        raise _BadLine('missing "tool"')
+    tool = item["tool"]
+    if not isinstance(tool, str):
+        raise _BadLine(f'"tool" must be a string, got {_json_type(tool)}')
+    if tool not in TOOL_ARGS:
+        raise _BadLine(f"unknown tool {tool!r} (known: {', '.join(TOOL_ARGS)})")
+    return tool
+
+
+def _timeout(value: Any) -> float | None:
+    if value is None:
+        return None
+    # bool is an int to Python but never a number of seconds.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _BadLine(f'"timeout" must be a number of seconds, got {_json_type(value)}')
+    if not math.isfinite(value) or value <= 0:
+        raise _BadLine(f'"timeout" must be a positive number of seconds, got {value!r}')
+    # A float, so that 5 and 5.0 derive the same id.
+    return float(value)
+
+
+def _explicit_id(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise _BadLine(f'"id" must be a non-empty string or an integer, got {_json_type(value)}')
+    return value
+
+
+def _after(value: Any, seen_ids: dict[str, int]) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _BadLine(f'"after" must be a list of ids, got {_json_type(value)}')
+    for dependency in value:
+        # Earlier lines only: lanes take calls in file order, so a call never waits on one
+        # that no lane has taken yet, and a cycle cannot be written.
+        if dependency not in seen_ids:
+            raise _BadLine(f'"after": {dependency!r} is not the id of an earlier line')
+    return tuple(value)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return f"a string ({value!r})" if len(value) <= 40 else "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _argument_warnings(calls: list[CallSpec]) -> list[LineProblem]:
+    warnings = []
+    for spec in calls:
+        try:
+            parse_args(spec.tool, spec.args)
+        except (UnknownTool, msgspec.ValidationError) as exc:
+            warnings.append(LineProblem(spec.line, f"{spec.tool}: {exc}"))
+    return warnings

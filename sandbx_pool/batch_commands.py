@@ -1,0 +1,191 @@
+"""``sandbx-pool run CALLS.jsonl`` and ``sandbx-pool demo``: the batch commands.
+
+Exit codes: 0 when every call of the file ran (now or, with ``--resume``, in an earlier run),
+whatever their outcomes; 1 when the run could not go on (the worker template died, the journal
+failed or is locked by another run); 2 for a bad batch file, config file or usage, with a
+message naming the file, the line or the key; 128 + N when signal N stopped it (the calls in
+flight are cancelled with killer ``shutdown`` and journaled first; ``--resume`` runs them
+again).
+
+Settings: ``--config FILE`` is loaded first and the flags given on the command line override
+it (``--parallel`` sets ``pool.workers``); a flag not given leaves the file's value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Final
+
+from loguru import logger
+
+from sandbx_pool.batch import BatchFile, BatchFileError, load_batch
+from sandbx_pool.config import Config, load_config
+from sandbx_pool.errors import ConfigError, SandbxPoolError
+
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+
+#: Argument warnings shown before a run; the rest are counted.
+SHOWN_WARNINGS: Final = 5
+
+
+def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``run`` and ``demo`` to a command line."""
+    run = subparsers.add_parser(
+        "run",
+        help="run a file of tool calls (JSON Lines) with a progress bar and a summary",
+        description="Run every call of CALLS.jsonl; each line is "
+        '{"tool": ..., "args": {...}, "timeout": S, "id": ..., "cwd": ..., "after": [ids], '
+        '"meta": ...}.',
+    )
+    run.add_argument("calls", metavar="CALLS.jsonl")
+    run.add_argument("--workspace", default=".", help="directory every path is confined to")
+    run.add_argument("--parallel", type=_positive_int, metavar="N", help="calls in flight at most")
+    run.add_argument("--journal", metavar="PATH", help="journal file (default: a new one)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the calls that finished in the journal (calls stopped by a signal run again)",
+    )
+    run.add_argument("--config", metavar="FILE", help="TOML settings; flags override them")
+    run.set_defaults(func=_cmd_run)
+
+    demo = subparsers.add_parser("demo", help="run a built-in batch on a temporary workspace")
+    demo.add_argument("--journal", metavar="PATH", help="journal file (default: a new one)")
+    demo.add_argument("--config", metavar="FILE", help="TOML settings")
+    demo.set_defaults(func=_cmd_demo)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def effective_config(args: argparse.Namespace) -> Config:
+    """The config file (or the defaults) with the command line's flags on top."""
+    config = load_config(args.config)
+    return config.override(pool={"workers": getattr(args, "parallel", None)})
+
+
+def _usage_error(command: str, message: str) -> int:
+    print(f"sandbx-pool {command}: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    # Everything that can be wrong with the input is checked before a worker is forked.
+    try:
+        batch = load_batch(args.calls)
+    except BatchFileError as exc:
+        return _usage_error("run", f"bad batch file:\n{exc}")
+    except OSError as exc:
+        return _usage_error("run", f"{args.calls}: {exc.strerror or exc}")
+    try:
+        config = effective_config(args)
+    except ConfigError as exc:
+        return _usage_error("run", str(exc))
+    if args.resume and not args.journal:
+        return _usage_error("run", "--resume needs --journal PATH (the journal of the earlier run)")
+    # No check that the workspace exists: the coordinator never touches the workspace's
+    # filesystem (a stat on a hung mount would hang the command before its first call); a
+    # missing workspace shows in the calls' outcomes instead.
+    try:
+        skip = _finished_before(args.journal, resume=args.resume)
+    except OSError as exc:
+        return _usage_error("run", f"cannot read journal {args.journal}: {exc.strerror or exc}")
+    _warn_about_arguments(batch)
+    return _run(batch, config, args.workspace, args.journal, skip)
+
+
+def _finished_before(journal: str | None, *, resume: bool) -> set[str]:
+    from sandbx_pool.batch_run import finished_call_ids
+
+    if journal is None or not os.path.exists(journal):
+        if resume:
+            logger.info("--resume: {} does not exist yet; running every call", journal)
+        return set()
+    finished = finished_call_ids(journal)
+    if not resume and finished:
+        logger.warning(
+            "journal {} already has {} finished call(s); without --resume they run again",
+            journal,
+            len(finished),
+        )
+        return set()
+    return finished
+
+
+def _warn_about_arguments(batch: BatchFile) -> None:
+    for problem in batch.warnings[:SHOWN_WARNINGS]:
+        logger.warning(
+            "{}:{}: the tool will refuse these arguments: {}",
+            batch.path,
+            problem.line,
+            problem.message,
+        )
+    if len(batch.warnings) > SHOWN_WARNINGS:
+        logger.warning("... and {} more such line(s)", len(batch.warnings) - SHOWN_WARNINGS)
+
+
+def _run(
+    batch: BatchFile, config: Config, workspace: str, journal: str | None, skip: set[str]
+) -> int:
+    from sandbx_pool.batch_progress import Progress, format_summary, showing
+    from sandbx_pool.batch_run import BatchReport, run_batch
+    from sandbx_pool.pool import Pool
+    from sandbx_pool.signals import Stopper, run_until_signalled
+
+    async def main(stopper: Stopper) -> int:
+        todo = sum(spec.call_id not in skip for spec in batch.calls)
+        if skip:
+            logger.info(
+                "resuming: {} call(s) finished before, {} to run", len(batch.calls) - todo, todo
+            )
+        report: BatchReport | None = None
+        try:
+            pool = stopper.watch(Pool(workspace, journal=journal, config=config))
+            async with pool:
+                progress = Progress(todo)  # once the pool is up: the rate is the calls'
+                async with showing(progress):
+                    report = await run_batch(
+                        pool,
+                        batch.calls,
+                        parallel=config.workers(),
+                        skip=skip,
+                        stop=stopper.stopping,
+                        on_outcome=lambda _, outcome: progress.record(outcome),
+                    )
+        except SandbxPoolError as exc:  # a locked journal, a template that cannot start
+            print(f"sandbx-pool run: {exc}", file=sys.stderr)
+            if report is None:
+                return EXIT_FAILED
+        assert report is not None
+        if stopper.signum is not None:
+            report.stopped = True
+        # After the pool closed: the journal is flushed, so the summary's path is complete.
+        print("\n".join(format_summary(report)), flush=True)
+        if report.not_run and report.journal:
+            print(
+                f"resume with: sandbx-pool run {batch.path} --journal {report.journal} --resume",
+                flush=True,
+            )
+        return 0 if report.complete else EXIT_FAILED
+
+    return run_until_signalled(main)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from sandbx_pool.demo import run_demo_command
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        return _usage_error("demo", str(exc))
+    return run_demo_command(config, args.journal)
