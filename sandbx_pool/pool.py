@@ -49,6 +49,7 @@ from sandbx_pool.config import Config, JournalPolicy, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.journal import Journal
+from sandbx_pool.journal_records import IntentRecord
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
 from sandbx_pool.runtime_dir import default_journal_path, make_private_dir
 from sandbx_pool.template import TemplateProcess
@@ -358,6 +359,9 @@ class Pool:
             outcome = call.outcome(Status.CRASHED, error=f"coordinator error: {exc}")
         if self.journal is not None:
             self.journal.outcome(outcome)
+            if self.config.journal.policy is JournalPolicy.ALWAYS:
+                # "always" means the caller never sees an outcome that is not on disk.
+                await self.journal.flush()
         return outcome
 
     async def _run(self, call: _Call) -> Outcome:
@@ -640,6 +644,12 @@ class Pool:
             open_files=limits.open_files,
             file_size_bytes=_mib(limits.file_size_mb),
         )
+
+    @property
+    def in_doubt(self) -> list[IntentRecord]:
+        """Calls a previous coordinator started and never finished (found when the journal
+        was opened): their effects may or may not have happened."""
+        return self.journal.in_doubt if self.journal is not None else []
 
     def running(self) -> list[dict[str, Any]]:
         """Calls a worker has taken and not finished: call id, tool, worker pid, seconds so far."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import tempfile
 import time
 
@@ -20,8 +21,22 @@ def runtime_root() -> str:
 
 
 def make_private_dir() -> str:
-    """A fresh 0700 directory for one pool's ZeroMQ socket (ipc paths must stay short)."""
-    return tempfile.mkdtemp(prefix="pool-", dir=runtime_root())
+    """A fresh 0700 directory for one pool's ZeroMQ socket (ipc paths must stay short).
+
+    Its name carries our pid, so that directories left by a coordinator that was SIGKILLed
+    (close never ran) are recognised and removed by the next one.
+    """
+    root = runtime_root()
+    _remove_abandoned(root)
+    return tempfile.mkdtemp(prefix=f"pool-{os.getpid()}-", dir=root)
+
+
+def _remove_abandoned(root: str) -> None:
+    for name in os.listdir(root):
+        parts = name.split("-")
+        ours = len(parts) == 3 and parts[0] == "pool" and parts[1].isdigit()
+        if ours and not os.path.exists(f"/proc/{parts[1]}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def default_journal_path() -> str:
