@@ -73,6 +73,15 @@ class GateRule(_Section):
     command: str | None = None
     name: str | None = None
 
+    def __post_init__(self) -> None:
+        # Found when the config is loaded, naming the rule, not at the first bash call it meets.
+        if self.command is not None:
+            try:
+                re.compile(self.command)
+            except re.error as exc:
+                named = f" in rule {self.name!r}" if self.name else ""
+                raise ValueError(f"invalid command regex {self.command!r}{named}: {exc}") from None
+
 
 class GateSettings(_Section):
     rules: list[GateRule] = msgspec.field(default_factory=list)

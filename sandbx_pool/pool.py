@@ -377,7 +377,7 @@ class Pool:
         except ValueError as exc:
             return call.outcome(Status.DENIED, error=str(exc))
         denial = confine.denial(self.workspace, call_cwd, args) or self._gate.denial(
-            call.tool, args
+            call.tool, args, workspace=self.workspace, cwd=call_cwd
         )
         if denial is not None:
             return call.outcome(Status.DENIED, error=denial)

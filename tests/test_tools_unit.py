@@ -293,7 +293,7 @@ def test_write_over_the_file_size_limit(ws: Path) -> None:
 
     with pytest.raises(LimitExceeded, match="file size limit") as raised:
         in_child(write_big)
-    assert raised.value.limit == "file_size_bytes"
+    assert raised.value.limit == "file_size"
     assert os.listdir(ws) == []
 
 

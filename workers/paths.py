@@ -6,8 +6,11 @@ symlinks included, and refused when it leads outside the workspace. A stat that 
 hangs only this worker, which a cancel kills.
 
 Residual race: between this check and the open, another process could swap a directory in the
-path for a symlink. The tools open the resolved path, which narrows it to a component changed in
-that window.
+path for a symlink. read, write, edit and ls close it: once they hold the file (or the target's
+directory) open, ``check_opened`` asks the kernel where that open file really is and refuses it
+if it is outside; every later step works relative to that descriptor. grep and find walk by
+path and re-check only the root, so a directory swapped for a symlink in the middle of their
+walk could still be entered: the residual race, documented in the README.
 """
 
 from __future__ import annotations
@@ -39,3 +42,17 @@ def relative_to_workspace(ctx: ExecutionContext, real_path: str) -> str:
     workspace = os.path.realpath(ctx.workspace)
     rel = os.path.relpath(real_path, workspace)
     return "." if rel == "." else rel
+
+
+def check_opened(ctx: ExecutionContext, fd: int, path: str) -> None:
+    """Raise Denied if the open ``fd`` is not inside the workspace (closes the race above).
+
+    /proc/self/fd/N names the file the kernel actually opened, whatever was swapped in the path
+    meanwhile. Without /proc mounted there is nothing to ask, and ``resolve`` stands alone.
+    """
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return
+    if not is_within(opened, os.path.realpath(ctx.workspace)):
+        raise Denied(f"path {path!r} resolves outside the workspace ({opened})")

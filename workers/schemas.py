@@ -68,6 +68,9 @@ class GrepArgs(ToolArgs):
     max_results: Annotated[
         Annotated[int, Meta(ge=1)] | None, Meta(description="Stop after this many matches.")
     ] = None
+    respect_gitignore: Annotated[
+        bool, Meta(description="Skip files and directories that .gitignore files exclude.")
+    ] = False
 
 
 class FindArgs(ToolArgs):

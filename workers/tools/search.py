@@ -27,6 +27,8 @@ from workers.paths import relative_to_workspace, resolve
 from workers.protocol import ExecutionContext
 from workers.schemas import FindArgs, GrepArgs
 from workers.tools.files import SNIFF_BYTES, is_binary, open_regular, os_error, printable
+from workers.tools.gitignore import GitIgnore
+from workers.tools.globs import compile_glob
 
 #: grep's max_results when the call gives none.
 DEFAULT_MAX_MATCHES = 1000
@@ -52,14 +54,20 @@ class TreeWalk:
     """Every entry under ``root`` (a real directory path), preorder, each directory sorted.
 
     Iterating yields ``(relative path, entry)`` with ``/`` separators. Directories named in
-    ``prune`` are yielded but not entered. ``skipped`` counts what could not be read below the
-    root; the root itself is listed at construction, which raises OSError if it cannot be.
+    ``prune`` are yielded but not entered; entries ``ignore`` excludes (.gitignore) are neither
+    yielded nor entered. ``skipped`` counts what could not be read below the root; the root
+    itself is listed at construction, which raises OSError if it cannot be.
     """
 
-    def __init__(self, root: str, prune: Container[str] = ()) -> None:
+    def __init__(
+        self, root: str, prune: Container[str] = (), ignore: GitIgnore | None = None
+    ) -> None:
         self.prune = prune
+        self.ignore = ignore
         self.skipped = 0
         self._top = self._list(root)
+        if ignore is not None:
+            ignore.enter("", root)
 
     @staticmethod
     def _list(path: str) -> Iterator[os.DirEntry[str]]:
@@ -84,83 +92,16 @@ class TreeWalk:
                 stack.pop()
                 continue
             rel = f"{prefix}{entry.name}"
+            is_dir = _is_directory(entry)  # False for a symlinked directory: never entered
+            if self.ignore is not None and self.ignore.ignored(rel, is_dir):
+                continue
             yield rel, entry
-            # A symlinked directory is never entered.
-            if _is_directory(entry) and entry.name not in self.prune:
+            if is_dir and entry.name not in self.prune:
                 children = self._scan(entry.path)
                 if children is not None:
+                    if self.ignore is not None:
+                        self.ignore.enter(f"{rel}/", entry.path)
                     stack.append((f"{rel}/", children))
-
-
-# -- glob --------------------------------------------------------------------------------------
-
-
-def _translate_class(part: str, start: int) -> tuple[str, int] | None:
-    """The regex for the ``[...]`` opening at ``part[start - 1]``, and the index after it."""
-    j = start
-    if j < len(part) and part[j] in "!^":
-        j += 1
-    if j < len(part) and part[j] == "]":
-        j += 1  # a leading ] is a member, as in fnmatch
-    while j < len(part) and part[j] != "]":
-        j += 1
-    if j >= len(part):
-        return None
-    body = part[start:j]
-    negate = body[:1] in ("!", "^")
-    if negate:
-        body = body[1:]
-    # Escape what re treats specially inside a set (and what it warns about as future set
-    # syntax); keep '-' so ranges work.
-    body = "".join(f"\\{c}" if c in "\\^[]&~|" else c for c in body)
-    # A range such as [!-0] spans '/', which must still never match inside a component.
-    regex = f"[^/{body}]" if negate else f"(?!/)[{body}]"
-    return regex, j + 1
-
-
-def _translate_component(part: str) -> str:
-    out: list[str] = []
-    i = 0
-    while i < len(part):
-        c = part[i]
-        i += 1
-        if c == "*":
-            while i < len(part) and part[i] == "*":
-                i += 1  # '**' inside a component is just '*'
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[" and (translated := _translate_class(part, i)) is not None:
-            regex, i = translated
-            out.append(regex)
-        else:
-            out.append(re.escape(c))
-    return "".join(out)
-
-
-def compile_glob(pattern: str) -> tuple[re.Pattern[str], bool]:
-    """Compile a glob for matching relative paths; also say whether it wants directories only.
-
-    ``**`` as a whole component matches any number of directories (``**/`` zero or more, a
-    final ``**`` everything below); ``*`` and ``?`` never cross ``/``; ``[...]`` is a class
-    (``!`` or ``^`` negates). Unlike a shell, ``*`` matches a leading dot: an agent asking for
-    ``**/*.yml`` means ``.github/workflows/ci.yml`` too. A trailing ``/`` matches directories
-    only. Leading ``/`` and ``./`` are ignored: the pattern is always relative.
-    """
-    dir_only = pattern.endswith("/")
-    parts = [part for part in pattern.split("/") if part not in ("", ".")]
-    if not parts:
-        raise ToolError(f"empty glob pattern {pattern!r}")
-    out: list[str] = []
-    for index, part in enumerate(parts):
-        last = index == len(parts) - 1
-        if part == "**":
-            out.append(".*" if last else "(?:[^/]+/)*")
-        else:
-            out.append(_translate_component(part))
-            if not last:
-                out.append("/")
-    return re.compile("".join(out), re.DOTALL), dir_only
 
 
 # -- grep --------------------------------------------------------------------------------------
@@ -234,8 +175,9 @@ def grep_files(args: GrepArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """Lines matching a Python regex in a file, or in the regular files under a directory.
 
     ``.git`` directories are not searched, nor binary files (a NUL in the first 8 KiB); see
-    the module docstring for what the walk never follows or opens. ``glob`` does not filter
-    an explicitly named file.
+    the module docstring for what the walk never follows or opens. ``glob`` and
+    ``respect_gitignore`` (see ``workers.tools.gitignore``) do not filter an explicitly named
+    file.
     """
     try:
         regex = re.compile(args.pattern, re.IGNORECASE if args.ignore_case else 0)
@@ -250,7 +192,10 @@ def grep_files(args: GrepArgs, ctx: ExecutionContext) -> dict[str, Any]:
         if stat.S_ISREG(mode):
             _search_file(root, _display(ctx, root), regex, matches)
         elif stat.S_ISDIR(mode):
-            walk = TreeWalk(root, prune={".git"})
+            ignore = None
+            if args.respect_gitignore:
+                ignore = GitIgnore(os.path.realpath(ctx.workspace), root)
+            walk = TreeWalk(root, prune={".git"}, ignore=ignore)
     except OSError as exc:
         raise os_error(args.path, exc) from exc
     if stat.S_ISDIR(mode):

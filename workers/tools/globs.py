@@ -1,0 +1,78 @@
+"""Globs over relative ``/``-separated paths, shared by find, grep's ``glob`` and .gitignore.
+
+Written here rather than taken from fnmatch, whose ``*`` crosses ``/`` and which has no ``**``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from workers.errors import ToolError
+
+
+def _translate_class(part: str, start: int) -> tuple[str, int] | None:
+    """The regex for the ``[...]`` opening at ``part[start - 1]``, and the index after it."""
+    j = start
+    if j < len(part) and part[j] in "!^":
+        j += 1
+    if j < len(part) and part[j] == "]":
+        j += 1  # a leading ] is a member, as in fnmatch
+    while j < len(part) and part[j] != "]":
+        j += 1
+    if j >= len(part):
+        return None
+    body = part[start:j]
+    negate = body[:1] in ("!", "^")
+    if negate:
+        body = body[1:]
+    # Escape what re treats specially inside a set (and what it warns about as future set
+    # syntax); keep '-' so ranges work.
+    body = "".join(f"\\{c}" if c in "\\^[]&~|" else c for c in body)
+    # A range such as [!-0] spans '/', which must still never match inside a component.
+    regex = f"[^/{body}]" if negate else f"(?!/)[{body}]"
+    return regex, j + 1
+
+
+def translate_component(part: str) -> str:
+    out: list[str] = []
+    i = 0
+    while i < len(part):
+        c = part[i]
+        i += 1
+        if c == "*":
+            while i < len(part) and part[i] == "*":
+                i += 1  # '**' inside a component is just '*'
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and (translated := _translate_class(part, i)) is not None:
+            regex, i = translated
+            out.append(regex)
+        else:
+            out.append(re.escape(c))
+    return "".join(out)
+
+
+def compile_glob(pattern: str) -> tuple[re.Pattern[str], bool]:
+    """Compile a glob for matching relative paths; also say whether it wants directories only.
+
+    ``**`` as a whole component matches any number of directories (``**/`` zero or more, a
+    final ``**`` everything below); ``*`` and ``?`` never cross ``/``; ``[...]`` is a class
+    (``!`` or ``^`` negates). Unlike a shell, ``*`` matches a leading dot: an agent asking for
+    ``**/*.yml`` means ``.github/workflows/ci.yml`` too. A trailing ``/`` matches directories
+    only. Leading ``/`` and ``./`` are ignored: the pattern is always relative.
+    """
+    dir_only = pattern.endswith("/")
+    parts = [part for part in pattern.split("/") if part not in ("", ".")]
+    if not parts:
+        raise ToolError(f"empty glob pattern {pattern!r}")
+    out: list[str] = []
+    for index, part in enumerate(parts):
+        last = index == len(parts) - 1
+        if part == "**":
+            out.append(".*" if last else "(?:[^/]+/)*")
+        else:
+            out.append(translate_component(part))
+            if not last:
+                out.append("/")
+    return re.compile("".join(out), re.DOTALL), dir_only
