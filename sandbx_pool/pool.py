@@ -94,9 +94,9 @@ class _Call:
         tool: str,
         raw_args: Any,
         timeout_s: float | None,
-        cwd: str | None,
-        env: dict[str, str] | None,
-        limits: Limits | None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        limits: Limits | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.call_id = call_id
@@ -224,6 +224,38 @@ class Pool:
             raise PoolClosed("the pool was closed while it was starting")
         self.state = PoolState.OPEN
         self._replenish()
+        await self._remove_leftovers()
+
+    async def _remove_leftovers(self) -> None:
+        """Have a worker remove the temp files of writes and edits a crash left in doubt."""
+        paths = [
+            os.path.join(record.cwd, record.args["path"])
+            for record in self.in_doubt
+            if record.tool in ("write", "edit") and isinstance(record.args.get("path"), str)
+        ]
+        if not paths:
+            return
+        call = _Call(f"{self._id_prefix}-recovery", "_remove_temps", {"paths": paths}, 30.0)
+        call.context = ExecutionContext(
+            call_id=call.call_id,
+            workspace=self.workspace,
+            cwd=self.workspace,
+            env=self._call_env(None),
+            max_output_bytes=self.config.calls.max_output_bytes,
+        )
+        worker = await self._acquire(call)
+        assert worker is not None
+        try:
+            outcome = await self._execute(call, worker)
+        finally:
+            self._release(worker)
+        if outcome.ok and outcome.value is not None:
+            for path in outcome.value["removed"]:
+                logger.info(
+                    "removed {}, left by a write the previous coordinator did not finish", path
+                )
+        else:
+            logger.warning("could not remove leftovers of in-doubt writes: {}", outcome.error)
 
     async def close(self) -> None:
         """Cancel what is in flight (killer ``shutdown``), kill every worker, clean up. Bounded."""

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from conftest import marked_config
 
-from sandbx_pool import CancelToken, Pool, Status
+from sandbx_pool import CancelToken, Config, Pool, Status
+from sandbx_pool.journal import Journal
 from sandbx_pool.journal_reader import read_journal
 from sandbx_pool.journal_records import IntentRecord, OutcomeRecord
 
@@ -164,3 +165,29 @@ def test_coordinator_sigkilled_at_random_moments(workspace: Path, tmp_path: Path
         # ...and, under policy "always", every call that returned has its outcome on disk.
         assert said["end"] <= set(outcomes)
         previous_in_flight = left_open
+
+
+async def test_reopening_removes_temps_of_writes_left_in_doubt(
+    workspace: Path, tmp_path: Path
+) -> None:
+    journal_path = tmp_path / "journal.jsonl"
+    # A coordinator that journaled a write's intent and died before its outcome...
+    journal = await Journal.open(journal_path, Config().journal)
+    await journal.intent(
+        call_id="lost-1",
+        tool="write",
+        args={"path": "f.txt", "content": "x"},
+        cwd="sub",
+        timeout_s=None,
+    )
+    await journal.close()
+    # ...and the worker it had, killed mid-write, left its temp file behind.
+    (workspace / "sub").mkdir()
+    leftover = workspace / "sub" / ".f.txt.sbx-tmp-dead1234"
+    leftover.write_text("half")
+    bystander = workspace / "sub" / "keep.txt"
+    bystander.write_text("mine")
+    async with Pool(workspace, journal=journal_path, config=marked_config()) as pool:
+        assert [record.call_id for record in pool.in_doubt] == ["lost-1"]
+    assert not leftover.exists()
+    assert bystander.read_text() == "mine"

@@ -34,7 +34,7 @@ from workers.protocol import (
     encoder,
 )
 from workers.schemas import UnknownTool, parse_args
-from workers.tools import TOOLS
+from workers.tools import WORKER_ACTIONS
 
 #: How long a finished worker keeps trying to hand its Result to a coordinator that is gone.
 SEND_LINGER_MS = 2000
@@ -64,8 +64,8 @@ def run_call(call: Call) -> Result:
     ctx: ExecutionContext = call.context
     try:
         apply_limits(ctx.limits)
-        args = parse_args(call.tool, call.args)
-        value: dict[str, Any] = TOOLS[call.tool](args, ctx)
+        args = parse_args(call.tool, call.args, internal=True)
+        value: dict[str, Any] = WORKER_ACTIONS[call.tool](args, ctx)
     except (UnknownTool, msgspec.ValidationError) as exc:
         return Result(call_id=ctx.call_id, status="error", error=f"bad arguments: {exc}")
     except LimitExceeded as exc:

@@ -96,6 +96,16 @@ TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "bash": BashArgs,
 }
 
+
+class RemoveTempsArgs(ToolArgs):
+    """Internal: remove the temp files interrupted writes left next to these paths."""
+
+    paths: list[str]
+
+
+#: Actions only the coordinator asks for (journal recovery); no caller can name them.
+INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {"_remove_temps": RemoveTempsArgs}
+
 #: Tools whose effects outlive the call: their journal intent is made durable before they run.
 SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash"})
 
@@ -104,10 +114,15 @@ class UnknownTool(ValueError):
     pass
 
 
-def parse_args(tool: str, args: Any) -> ToolArgs:
-    """Validate ``args`` for ``tool``; raise UnknownTool or msgspec.ValidationError."""
+def parse_args(tool: str, args: Any, *, internal: bool = False) -> ToolArgs:
+    """Validate ``args`` for ``tool``; raise UnknownTool or msgspec.ValidationError.
+
+    ``internal`` also admits the coordinator's own actions (only the worker side passes it).
+    """
     try:
-        args_type = TOOL_ARGS[tool]
+        args_type = (
+            TOOL_ARGS[tool] if tool in TOOL_ARGS or not internal else INTERNAL_TOOL_ARGS[tool]
+        )
     except KeyError:
         known = ", ".join(TOOL_ARGS)
         raise UnknownTool(f"unknown tool {tool!r} (known: {known})") from None

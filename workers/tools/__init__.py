@@ -13,6 +13,7 @@ from typing import Any
 from workers.protocol import ExecutionContext
 from workers.tools.bash import run_bash
 from workers.tools.files import edit_file, list_directory, read_file, write_file
+from workers.tools.recovery import remove_temps
 from workers.tools.search import find_paths, grep_files
 
 ToolFunction = Callable[[Any, ExecutionContext], dict[str, Any]]
@@ -27,4 +28,7 @@ TOOLS: dict[str, ToolFunction] = {
     "bash": run_bash,
 }
 
-__all__ = ["TOOLS", "ToolFunction"]
+#: Every action a worker can run: the tools plus the coordinator's internal ones.
+WORKER_ACTIONS: dict[str, ToolFunction] = {**TOOLS, "_remove_temps": remove_temps}
+
+__all__ = ["TOOLS", "WORKER_ACTIONS", "ToolFunction"]

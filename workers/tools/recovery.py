@@ -1,0 +1,29 @@
+"""The coordinator's own action after a crash: remove what interrupted writes left behind.
+
+The journal knows which writes and edits were in flight when a coordinator died; their temp
+files may still sit next to their targets. The coordinator never touches the workspace, so it
+asks a worker, which resolves each path as any tool would.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from workers.errors import Denied
+from workers.paths import resolve
+from workers.protocol import ExecutionContext
+from workers.schemas import RemoveTempsArgs
+from workers.tools.atomic import remove_leftover_temps
+
+
+def remove_temps(args: RemoveTempsArgs, ctx: ExecutionContext) -> dict[str, Any]:
+    """Journal recovery: sweep the directories of writes and edits a crash left in doubt."""
+    removed: list[str] = []
+    for directory in sorted({os.path.dirname(path) for path in args.paths}):
+        try:
+            real = resolve(ctx, directory)
+        except Denied:
+            continue  # a path that leads outside now is nobody's business here
+        removed += [os.path.join(real, name) for name in remove_leftover_temps(real)]
+    return {"removed": removed}
