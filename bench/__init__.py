@@ -1,0 +1,13 @@
+"""The benchmark: sandbx-pool against its peers, side by side in one process run.
+
+    python -m bench                  every section, then the bars (make bench)
+    python -m bench soak             the soak alone, 2,000 calls
+    python -m bench latency cancel   some sections only; --quick for a smoke run
+
+Sections, one module each: ``latency`` (a read, one call at a time), ``cancel`` (cancel to
+outcome), ``throughput`` (8 in parallel, CPU per call, memory), ``soak`` (mixed calls with
+cancels, timeouts and escape attempts, then what is left). Around them: ``peers`` (the
+contenders), ``tasks`` (what the peers' workers run), ``forkfloor`` (the fork floor in a fresh
+interpreter), ``workspace`` (the files and the run's process marker), ``procs`` (processes,
+fds, memory and CPU from /proc), ``stats`` (percentiles, budgets), ``report`` (the Markdown).
+"""

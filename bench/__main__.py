@@ -1,0 +1,102 @@
+"""``python -m bench``: run the sections asked for (all by default) and print the report.
+
+The imports of the sections live inside ``main()``: ProcessPoolExecutor's spawn and forkserver
+workers re-import this module, and should not pay for sandbx-pool's imports (see bench.tasks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+SECTIONS = ("latency", "cancel", "throughput", "soak")
+
+
+@dataclass(frozen=True)
+class Counts:
+    latency_calls: int = 400
+    cancels: int = 100
+    throughput_calls: int = 2000
+    soak_calls: int = 2000
+
+
+QUICK = Counts(latency_calls=60, cancels=20, throughput_calls=300, soak_calls=200)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="sandbx-pool against its peers, side by side; prints a Markdown report "
+        "and writes it to bench/results/latest.md.",
+    )
+    parser.add_argument(
+        "sections", nargs="*", metavar="SECTION", help=f"any of {', '.join(SECTIONS)} (all)"
+    )
+    parser.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
+    parser.add_argument("--soak-calls", type=int, help="calls in the soak (default 2000)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of the soak's plan")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+    import time
+    from datetime import datetime
+
+    from loguru import logger
+
+    from bench import cancel, latency, report, soak, throughput
+    from bench.procs import cpu_snapshot, leftovers, others_share
+    from bench.workspace import MARKER, bench_workspace
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parse(argv)
+    sections = [s for s in SECTIONS if s in args.sections] or list(SECTIONS)
+    counts = QUICK if args.quick else Counts()
+
+    def progress_or_warning(record: Any) -> bool:
+        # Our progress at INFO; the pool's own warnings (a stuck worker...) reach us too.
+        name = record["name"] or ""
+        return bool(name.startswith("bench") or record["level"].no >= logger.level("WARNING").no)
+
+    logger.remove()
+    logger.add(sys.stderr, format="[{elapsed}] {message}", level="INFO", filter=progress_or_warning)
+    logger.enable("sandbx_pool")
+    logger.enable("workers")
+
+    result = report.Report(
+        started=datetime.now().astimezone(), argv=argv, load_before=os.getloadavg()
+    )
+    start = time.monotonic()
+    with bench_workspace() as ws:
+        for section in sections:
+            before = cpu_snapshot()
+            try:
+                if section == "latency":
+                    result.latency = latency.run(ws, calls=counts.latency_calls)
+                elif section == "cancel":
+                    result.cancel = cancel.run(ws, count=counts.cancels)
+                elif section == "throughput":
+                    result.throughput = throughput.run(ws, calls=counts.throughput_calls)
+                elif section == "soak":
+                    calls = args.soak_calls or counts.soak_calls
+                    result.soak = soak.run(ws, calls=calls, seed=args.seed)
+            except Exception as exc:  # the other sections still get measured and reported
+                logger.exception("section {} failed", section)
+                result.failed[section] = f"{type(exc).__name__}: {exc}"
+            result.others_cpu[section] = others_share(before, cpu_snapshot())
+        result.final_left = leftovers(MARKER, ws.marker)
+    result.duration_s = time.monotonic() - start
+    result.load_after = os.getloadavg()
+    report.emit(result)
+    return 1 if result.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

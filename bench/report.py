@@ -1,0 +1,401 @@
+"""The Markdown report: one table per section, then the bars of issues 2, 3 and 5.
+
+Printed on stdout (to paste into the README) and written to ``bench/results/latest.md`` and a
+dated copy next to it; ``bench/results/`` is git-ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from bench import cancel, latency, throughput
+from bench.cancel import CancelResult
+from bench.latency import LatencyResult
+from bench.procs import Leftovers
+from bench.soak import KINDS, SoakResult
+from bench.throughput import ThroughputResult
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Report:
+    started: datetime
+    argv: list[str]
+    load_before: tuple[float, float, float]
+    load_after: tuple[float, float, float] = (math.nan, math.nan, math.nan)
+    duration_s: float = math.nan
+    latency: LatencyResult | None = None
+    cancel: CancelResult | None = None
+    throughput: ThroughputResult | None = None
+    soak: SoakResult | None = None
+    final_left: Leftovers | None = None
+    #: per section: the share of the machine's CPU used by other processes, and stolen
+    others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: sections that raised, with the error
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+# -- formatting --------------------------------------------------------------------------------
+
+
+def ms(value: float) -> str:
+    if math.isnan(value):
+        return "n/a"
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def times(value: float) -> str:
+    if math.isnan(value):
+        return "n/a"
+    return f"{value:.1f}x" if value < 10 else f"{value:.0f}x"
+
+
+def table(header: Iterable[str], rows: Iterable[Iterable[object]], align: str = "") -> str:
+    """A Markdown table; ``align`` gives one letter per column, ``l`` or ``r`` (default r)."""
+    head = list(header)
+    marks = [
+        ":---" if (align[i] if i < len(align) else "r") == "l" else "---:" for i in range(len(head))
+    ]
+    lines = [f"| {' | '.join(head)} |", f"| {' | '.join(marks)} |"]
+    lines += [f"| {' | '.join(str(cell) for cell in row)} |" for row in rows]
+    return "\n".join(lines)
+
+
+def _left(left: Leftovers | None) -> str:
+    if left is None:
+        return "n/a"
+    if not left.at_once:
+        return "0"
+    live = [p for p in left.after_wait if p.state != "Z"]
+    zombies = len(left.after_wait) - len(live)
+    text = f"{len(left.at_once)} at once, {len(live)} after {left.waited_s:.1f} s"
+    if zombies:
+        text += f" (+{zombies} zombies)"
+    shown = "; ".join(f"`{p}`" for p in (live or left.at_once)[:3])
+    return f"{text}: {shown}"
+
+
+def _revision() -> str:
+    """The commit measured, and whether the working tree differed from it."""
+    root = RESULTS.parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+            )
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    changed = [line for line in git("status", "--porcelain").splitlines() if line]
+    return f"{commit} + {len(changed)} uncommitted changes" if changed else commit
+
+
+# -- sections ----------------------------------------------------------------------------------
+
+
+def _header(report: Report) -> str:
+    cpus = os.cpu_count()
+    usable = len(os.sched_getaffinity(0))
+    load = " / ".join(f"{v:.2f}" for v in report.load_before)
+    load_after = " / ".join(f"{v:.2f}" for v in report.load_after)
+    containment = report.throughput.memory.containment if report.throughput else "n/a"
+    others = ", ".join(
+        f"{name} {share:.0%}" + (f" (+{steal:.0%} stolen)" if steal >= 0.005 else "")
+        for name, (share, steal) in report.others_cpu.items()
+    )
+    return (
+        f"# sandbx-pool benchmark, {report.started:%Y-%m-%d %H:%M %Z}\n\n"
+        f"{cpus} CPUs ({usable} usable) · Python {platform.python_version()} · "
+        f"{platform.system()} {platform.release()} · containment: {containment} · "
+        f"revision {_revision()} · "
+        f"`python -m bench {' '.join(report.argv)}`, {report.duration_s:.0f} s\n\n"
+        f"The machine is shared, so figures are noisy. Load average (1/5/15 min) {load} at "
+        f"start, {load_after} at end. Share of the machine's CPU time used by other processes "
+        f"during each section: {others or 'n/a'}."
+    )
+
+
+def _latency(result: LatencyResult) -> str:
+    rows = [
+        (
+            row.name,
+            row.workers or "",
+            row.samples.count,
+            ms(row.samples.p50),
+            ms(row.samples.p99),
+            ms(row.samples.mean),
+            times(result.speedup(row.key)),
+        )
+        for row in result.rows
+    ]
+    header = ("contender", "workers", "n", "p50 ms", "p99 ms", "mean ms", "vs pebble disposable")
+    w_row = result.row(latency.PEBBLE_DISPOSABLE_W)
+    on = result.row(latency.JOURNAL_ON)
+    low, high = result.journal_overhead_ci_pct
+    notes = [
+        f"Journal overhead at p50 (on / off - 1): **{result.journal_overhead_pct:+.1f}%** "
+        f"(95% bootstrap interval {low:+.0f}% to {high:+.0f}%); round by round: "
+        + ", ".join(f"{v:+.0f}%" for v in result.journal_overhead_by_round_pct)
+        + f". {len(result.rounds)} rounds, each opening a fresh pool of either kind in turn, "
+        '`journal={"policy": "off"}` with no path being no journal at all.',
+        "Start methods: pebble gets `fork` explicitly (the Linux default in 3.11). "
+        "`ProcessPoolExecutor(max_tasks_per_child=1)` refuses `fork` in 3.11 (ValueError) and "
+        "defaults to `spawn`; `forkserver` is its fastest legal option. Their workers import "
+        "only `bench.tasks`, so the rows show the peers' own cost.",
+        "Ratio: pebble disposable (1 worker) p50 / the row's p50. pebble with more workers is "
+        "bimodal (a call either finds a fresh worker or waits for its 0.1 s manager tick), so "
+        "compare means there",
+    ]
+    if w_row and on:
+        notes[-1] += (
+            f": pebble disposable ({w_row.workers} workers) mean / sandbx-pool mean = "
+            f"{times(w_row.samples.mean / on.samples.mean)}."
+        )
+    else:
+        notes[-1] += "."
+    return (
+        "## Per-call latency: `read` of a 1 KiB file, one call at a time\n\n"
+        + table(header, rows, "l")
+        + "\n\n"
+        + "\n".join(f"- {note}" for note in notes)
+    )
+
+
+def _cancel(result: CancelResult) -> str:
+    rows = []
+    for row in result.rows:
+        statuses = ", ".join(f"{k} {v}" for k, v in sorted(row.statuses.items()))
+        rows.append(
+            (
+                row.name,
+                row.kill,
+                row.samples.count,
+                ms(row.samples.p50),
+                ms(row.samples.p95),
+                ms(row.samples.p99),
+                statuses,
+            )
+        )
+    pebble = result.row(cancel.PEBBLE)
+    notes = [
+        "sandbx-pool: CancelToken.cancel() to `await pool.call(...)` returning, which happens "
+        "once the worker's process group is gone. Each call settles "
+        f"{cancel.SETTLE_S['read'] * 1000:.0f} ms (read) or {cancel.SETTLE_S['bash'] * 1000:.0f}"
+        " ms (bash) before its cancel so that it is blocked; settling is not measured.",
+    ]
+    if pebble is not None and pebble.returned is not None:
+        notes.append(
+            "pebble: future.cancel() to the worker's exit (pidfd). cancel() itself returns in "
+            f"{ms(pebble.returned.p50)} ms (p50), with the worker still blocked on the FIFO."
+        )
+    if result.ppe_cancel_returned is not None:
+        notes.append(
+            "ProcessPoolExecutor: cancel() of the running task returned "
+            f"{result.ppe_cancel_returned}; the task ran on until the FIFO got a writer."
+        )
+    notes.append(
+        f"Processes left after the cancels: {_left(result.left_pool_open)} with the pools "
+        f"open and idle, {_left(result.left_after_close)} after closing them."
+    )
+    header = ("what", "kill", "n", "p50 ms", "p95 ms", "p99 ms", "outcomes")
+    return (
+        "## Cancel latency\n\n"
+        + table(header, rows, "ll")
+        + "\n\n"
+        + "\n".join(f"- {note}" for note in notes)
+    )
+
+
+def _kib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 1024:.1f} MiB"
+
+
+def _throughput(result: ThroughputResult) -> str:
+    rows = [
+        (
+            row.name,
+            row.workers,
+            row.calls,
+            f"{row.wall_ns / 1e9:.2f}",
+            f"{row.calls_per_s:.0f}",
+            ms(row.samples.p50) if row.samples else "",
+            ms(row.samples.p99) if row.samples else "",
+            ms(row.caller_cpu_ms),
+            ms(row.workers_cpu_ms),
+        )
+        for row in result.rows
+    ]
+    header = (
+        "contender",
+        "workers",
+        "calls",
+        "wall s",
+        "calls/s",
+        "p50 ms",
+        "p99 ms",
+        "CPU ms/call: caller",
+        "CPU ms/call: workers",
+    )
+    memory = result.memory
+    notes = [
+        "The peers keep 16 tasks queued on 8 workers and stop submitting after "
+        f"{throughput.PEER_MAX_S:g} s: their call counts are what fitted.",
+        "CPU per call from getrusage: the caller over the timed run; the worker processes "
+        "(template included) over the pool's life, warm-up calls included. With "
+        f"{os.cpu_count()} cores, cores / (caller + workers) bounds calls/s.",
+    ]
+    if memory.coordinator is not None:
+        notes.append(
+            f"Coordinator (the bench process) after the sandbx-pool run: RSS "
+            f"{_kib(memory.coordinator.rss_kib)}, peak {_kib(memory.coordinator.hwm_kib)}."
+        )
+    if memory.template is not None:
+        notes.append(
+            f"Template: RSS {_kib(memory.template.rss_kib)}, PSS {_kib(memory.template.pss_kib)}."
+        )
+    if memory.idle_workers:
+        count = len(memory.idle_workers)
+        rss = sum(m.rss_kib for m in memory.idle_workers) // count
+        pss_values = [m.pss_kib for m in memory.idle_workers if m.pss_kib is not None]
+        pss = sum(pss_values) // len(pss_values) if pss_values else None
+        notes.append(
+            f"Idle worker (mean of {count}): RSS {_kib(rss)}, PSS {_kib(pss)} "
+            "(PSS shares pages with the template and its siblings)."
+        )
+    return (
+        "## Throughput: `read`, 8 calls in flight\n\n"
+        + table(header, rows, "l")
+        + "\n\n"
+        + "\n".join(f"- {note}" for note in notes)
+    )
+
+
+def _soak(result: SoakResult) -> str:
+    rows = []
+    for kind in KINDS:
+        counts = result.by_kind.get(kind.name)
+        if not counts:
+            continue
+        seen = ", ".join(f"{k} {v}" for k, v in counts.most_common())
+        rows.append((kind.name, sum(counts.values()), seen, " / ".join(sorted(kind.expected))))
+    checks = [
+        (
+            "calls made / intents / outcomes",
+            f"{result.calls} / {result.intents} / {result.outcomes}",
+        ),
+        ("intents without an outcome (in doubt)", result.missing),
+        ("call ids with more than one outcome", result.duplicated),
+        ("outcomes without an intent", result.unmatched),
+        ("unexpected statuses", result.unexpected_count),
+        ("quarantined workers", result.quarantined),
+        ("processes left, pool open and idle", _left(result.left_pool_open)),
+        ("processes left after close", _left(result.left_after_close)),
+        ("coordinator open fds before / after", f"{result.fds_before} / {result.fds_after}"),
+    ]
+    text = (
+        f"## Soak: {result.calls} calls, 8 in parallel, seed {result.seed}, "
+        f"{result.wall_s:.1f} s\n\n"
+        + table(("kind", "calls", "statuses", "expected"), rows, "lrll")
+        + "\n\n"
+        + table(("check", "value"), checks, "lr")
+    )
+    if result.unexpected:
+        text += "\n\nUnexpected: " + "; ".join(f"`{u}`" for u in result.unexpected)
+    if result.fds_changed:
+        text += "\n\nFile descriptors changed: " + ", ".join(result.fds_changed)
+    return text
+
+
+def _bars(report: Report) -> str:
+    rows: list[tuple[str, str, str, str]] = []
+
+    def bar(name: str, target: str, value: str, met: bool | None) -> None:
+        rows.append(
+            (name, target, value, "unresolved" if met is None else "yes" if met else "**no**")
+        )
+
+    lat = report.latency
+    if lat is not None:
+        p50 = lat.p50(latency.JOURNAL_ON)
+        bar("read p50, journal on", "<= 3 ms (goal 1 ms)", ms(p50), p50 <= 3)
+        speedup = lat.speedup(latency.JOURNAL_ON)
+        bar("read p50 vs pebble disposable", ">= 25x", times(speedup), speedup >= 25)
+        overhead = lat.journal_overhead_pct
+        low, high = lat.journal_overhead_ci_pct
+        value = f"{overhead:+.1f}% ({low:+.0f}% to {high:+.0f}%)"
+        # Met, not met, or not resolved by this run: the interval straddles the bar.
+        verdict = None if low <= 10 < high else overhead <= 10
+        bar("journal overhead at p50 (95% interval)", "<= 10%", value, verdict)
+    if report.cancel is not None:
+        for row in report.cancel.rows:
+            if row.key == cancel.PEBBLE:
+                continue
+            met = row.samples.p50 <= 5 and row.samples.p95 <= 25
+            value = f"{ms(row.samples.p50)} / {ms(row.samples.p95)}"
+            bar(f"cancel p50 / p95: {row.key}", "<= 5 / 25 ms", value, met)
+        left = report.cancel.left_after_close
+        bar("processes left after the cancels", "0", _left(left), left.count == 0)
+    if report.throughput is not None:
+        sandbx = report.throughput.row(throughput.SANDBX)
+        if sandbx is not None:
+            rate = sandbx.calls_per_s
+            bar("calls/s at 8 parallel", ">= 300 (goal 1500)", f"{rate:.0f}", rate >= 300)
+    if report.soak is not None:
+        soak = report.soak
+        bar("soak: outcomes missing", "0", str(soak.missing), soak.missing == 0)
+        left_open = soak.left_pool_open
+        if left_open is not None:
+            bar("soak: left, pool open", "0", _left(left_open), left_open.count == 0)
+        left_closed = soak.left_after_close
+        if left_closed is not None:
+            bar("soak: left after close", "0", _left(left_closed), left_closed.count == 0)
+        fds = f"{soak.fds_before} → {soak.fds_after}"
+        bar("soak: coordinator fds", "back to start", fds, soak.fds_before == soak.fds_after)
+    if report.final_left is not None:
+        final = report.final_left
+        bar("processes left at the end of the run", "0", _left(final), final.count == 0)
+    return "## Bars\n\n" + table(("bar", "target", "measured", "met"), rows, "lrrr")
+
+
+def render(report: Report) -> str:
+    parts = [_header(report)]
+    if report.latency is not None:
+        parts.append(_latency(report.latency))
+    if report.cancel is not None:
+        parts.append(_cancel(report.cancel))
+    if report.throughput is not None:
+        parts.append(_throughput(report.throughput))
+    if report.soak is not None:
+        parts.append(_soak(report.soak))
+    for section, error in report.failed.items():
+        parts.append(f"## {section}: FAILED\n\n`{error}`")
+    parts.append(_bars(report))
+    return "\n\n".join(parts) + "\n"
+
+
+def write(text: str, started: datetime) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{started:%Y%m%d-%H%M%S}.md").write_text(text)
+    latest = RESULTS / "latest.md"
+    latest.write_text(text)
+    return latest
+
+
+def emit(report: Report) -> None:
+    text = render(report)
+    path = write(text, report.started)
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    print(f"(written to {path})", file=sys.stderr)
