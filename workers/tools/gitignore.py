@@ -25,7 +25,7 @@ import re
 from typing import NamedTuple
 
 from workers.tools.files import open_regular
-from workers.tools.globs import translate_component
+from workers.tools.globs import translate_parts
 
 #: Bytes read from one .gitignore at most: a pathological one must not cost a whole grep.
 MAX_GITIGNORE_BYTES = 256 * 1024
@@ -56,16 +56,7 @@ def _compile_line(line: str) -> _Rule | None:
     parts = [part for part in line.split("/") if part]
     if not parts:
         return None
-    out: list[str] = []
-    for index, part in enumerate(parts):
-        last = index == len(parts) - 1
-        if part == "**":
-            out.append(".*" if last else "(?:[^/]+/)*")
-        else:
-            out.append(translate_component(part))
-            if not last:
-                out.append("/")
-    return _Rule(re.compile("".join(out), re.DOTALL), negate, dir_only, anchored)
+    return _Rule(re.compile(translate_parts(parts), re.DOTALL), negate, dir_only, anchored)
 
 
 def parse_gitignore(text: str) -> list[_Rule]:

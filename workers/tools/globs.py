@@ -66,6 +66,11 @@ def compile_glob(pattern: str) -> tuple[re.Pattern[str], bool]:
     parts = [part for part in pattern.split("/") if part not in ("", ".")]
     if not parts:
         raise ToolError(f"empty glob pattern {pattern!r}")
+    return re.compile(translate_parts(parts), re.DOTALL), dir_only
+
+
+def translate_parts(parts: list[str]) -> str:
+    """The regex of a glob split on "/": ``**`` spans any number of directories."""
     out: list[str] = []
     for index, part in enumerate(parts):
         last = index == len(parts) - 1
@@ -75,4 +80,4 @@ def compile_glob(pattern: str) -> tuple[re.Pattern[str], bool]:
             out.append(translate_component(part))
             if not last:
                 out.append("/")
-    return re.compile("".join(out), re.DOTALL), dir_only
+    return "".join(out)
