@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
+import pwd
 import re
 import tomllib
 from typing import Annotated, Any
@@ -16,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from sandbx_pool.errors import ConfigError
+from workers.protocol import Sandbox
 
 MiB = 1024 * 1024
 
@@ -87,6 +89,52 @@ class GateSettings(_Section):
     rules: list[GateRule] = msgspec.field(default_factory=list)
 
 
+class SandboxFilesystem(enum.StrEnum):
+    WORKSPACE = "workspace"  # Landlock: workspace, TMPDIR, `writable` rw; system dirs ro
+    HOST = "host"  # no filesystem rules (the file tools' own path checks remain)
+
+
+AbsolutePath = Annotated[str, Meta(pattern="^/")]
+
+
+class SandboxSettings(_Section):
+    """How each worker confines the call it runs (workers/sandbox.py)."""
+
+    filesystem: SandboxFilesystem = SandboxFilesystem.WORKSPACE
+    read_only: list[AbsolutePath] = msgspec.field(default_factory=list)
+    writable: list[AbsolutePath] = msgspec.field(default_factory=list)
+    network: bool = True
+    run_as: str | None = None
+
+    def user(self) -> tuple[int, int, tuple[int, ...]] | None:
+        """``run_as`` as (uid, gid, groups); a ConfigError if unknown or if we are not root."""
+        if self.run_as is None:
+            return None
+        try:
+            entry = pwd.getpwnam(self.run_as)
+        except KeyError:
+            raise ConfigError(f"sandbox.run_as: unknown user {self.run_as!r}") from None
+        if os.geteuid() != 0:
+            raise ConfigError(f"sandbox.run_as = {self.run_as!r} needs the pool to run as root")
+        groups = tuple(os.getgrouplist(self.run_as, entry.pw_gid))
+        return entry.pw_uid, entry.pw_gid, groups
+
+    def for_workers(self, *, tmp_root: str | None, hidden: tuple[str, ...]) -> Sandbox:
+        """What each Call carries: these settings, plus where TMPDIRs go and what to hide."""
+        user = self.user()
+        return Sandbox(
+            filesystem=self.filesystem.value,
+            read_only=tuple(self.read_only),
+            writable=tuple(self.writable),
+            network=self.network,
+            tmp_root=tmp_root,
+            hidden=hidden,
+            uid=user[0] if user else None,
+            gid=user[1] if user else None,
+            groups=user[2] if user else (),
+        )
+
+
 class Config(_Section):
     pool: PoolSettings = msgspec.field(default_factory=PoolSettings)
     calls: CallSettings = msgspec.field(default_factory=CallSettings)
@@ -94,6 +142,7 @@ class Config(_Section):
     env: EnvSettings = msgspec.field(default_factory=EnvSettings)
     limits: LimitSettings = msgspec.field(default_factory=LimitSettings)
     gate: GateSettings = msgspec.field(default_factory=GateSettings)
+    sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)
 
     def workers(self) -> int:
         if self.pool.workers is not None:

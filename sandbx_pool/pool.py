@@ -17,7 +17,9 @@ Actors:
 
 * ``TemplateProcess`` forks workers ahead of demand (``prefork``) and reports their exits.
 * The receive task reads the ROUTER socket: ``Ready`` makes a worker idle, ``Result`` completes
-  its call. A message from anyone but the worker a call was dispatched to is dropped.
+  its call. A message from anyone but the worker a call was dispatched to is dropped: a Ready
+  must come from the pid the template forked for its token, a Result must carry its call's
+  secret, and anything undecodable or of another protocol version is logged and ignored.
 * Each call runs in its own driver task, so that cancelling the caller's task only *requests*
   the kill: the driver finishes the cleanup (shielded) and the caller gets its CancelledError
   back afterwards.
@@ -31,10 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hmac
 import itertools
 import os
+import secrets
 import shutil
 import signal
+import tempfile
 import time
 from collections import deque
 from typing import Any
@@ -56,6 +61,7 @@ from sandbx_pool.template import TemplateProcess
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
 from workers.protocol import (
     MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
     Call,
     ExecutionContext,
     Exited,
@@ -63,6 +69,7 @@ from workers.protocol import (
     Limits,
     Ready,
     Result,
+    Sandbox,
     Spawned,
     encoder,
     worker_decoder,
@@ -76,6 +83,12 @@ RESULT_IN_FLIGHT_S = 5.0
 CRASH_RESULT_GRACE_S = 0.05
 
 _MiB = 1024 * 1024
+
+#: Readies that arrived before the template's Spawned for their token, kept until it comes.
+#: Bounded, so that a flood of forged Readies cannot grow the coordinator's memory.
+MAX_EARLY_READY = 1024
+
+_STATUSES = frozenset(status.value for status in Status)
 
 
 class PoolState(enum.IntEnum):
@@ -114,6 +127,8 @@ class _Call:
         self.kill_requested: asyncio.Future[None] = loop.create_future()
         self.killer: KilledBy | None = None
         self.reason: str | None = None
+        # Only the worker this call is sent to learns it; its Result must carry it back.
+        self.secret = secrets.token_hex(16)
 
     def request_kill(self, killer: KilledBy, reason: str | None = None) -> None:
         # The first killer wins and is recorded here, before any signal is sent.
@@ -155,6 +170,10 @@ class Pool:
         )
         self._journal_path = os.fspath(journal) if journal is not None else None
         self._gate = Gate(self.config.gate.rules, approve)
+        self.config.sandbox.user()  # an unknown run_as user is a ConfigError here, not later
+        self._sandbox: Sandbox | None = None
+        self._tmp_root: str | None = None
+        self._early_ready: dict[str, int | None] = {}
         self.state = PoolState.NEW
         self.journal: Journal | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -198,6 +217,14 @@ class Pool:
         self._loop = asyncio.get_running_loop()
         self._runtime_dir = make_private_dir()
         try:
+            # Parent of each call's private TMPDIR (the worker makes and removes its own; what
+            # a killed call leaves goes with this on close). Searchable by a run_as user, not
+            # listable: one call cannot find another's.
+            self._tmp_root = tempfile.mkdtemp(prefix="sandbx-tmp-")
+            os.chmod(self._tmp_root, 0o711 if self.config.sandbox.run_as else 0o700)
+            self._sandbox = self.config.sandbox.for_workers(
+                tmp_root=self._tmp_root, hidden=(os.path.dirname(self._runtime_dir),)
+            )
             journal_path = self._journal_path or default_journal_path()
             if self.config.journal.policy is not JournalPolicy.OFF or self._journal_path:
                 self.journal = await Journal.open(journal_path, self.config.journal)
@@ -236,13 +263,7 @@ class Pool:
         if not paths:
             return
         call = _Call(f"{self._id_prefix}-recovery", "_remove_temps", {"paths": paths}, 30.0)
-        call.context = ExecutionContext(
-            call_id=call.call_id,
-            workspace=self.workspace,
-            cwd=self.workspace,
-            env=self._call_env(None),
-            max_output_bytes=self.config.calls.max_output_bytes,
-        )
+        call.context = self._context(call, self.workspace)
         worker = await self._acquire(call)
         assert worker is not None
         try:
@@ -302,9 +323,12 @@ class Pool:
             await self.journal.close()
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
-        stuck = [w for w in self._workers.values() if w.state is WorkerState.QUARANTINED]
-        for worker in stuck:
-            logger.warning("closing with stuck worker {}", describe_stuck(worker))
+        if self._tmp_root is not None:
+            shutil.rmtree(self._tmp_root, ignore_errors=True)
+        for worker in self._workers.values():
+            worker.stop_watching()
+            if worker.state is WorkerState.QUARANTINED:
+                logger.warning("closing with stuck worker {}", describe_stuck(worker))
 
     # -- the public call -------------------------------------------------------------------
 
@@ -350,11 +374,15 @@ class Pool:
         self._calls[call.call_id] = call
         try:
             return await asyncio.shield(driver)
-        except asyncio.CancelledError:
-            call.request_kill(KilledBy.TASK, "the awaiting task was cancelled")
+        except asyncio.CancelledError as exc:
+            reason = str(exc.args[0]) if exc.args else "the awaiting task was cancelled"
+            call.request_kill(KilledBy.TASK, reason)
             # Cleanup runs to its end whatever happens to us; our own cancellation follows it.
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(driver)
+            # Under anyio a cancelled scope cancels us again at every await, so keep waiting
+            # until the driver is done (a short spin, bounded by the kill's own deadlines).
+            while not driver.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({driver})
             raise
         finally:
             self._calls.pop(call.call_id, None)
@@ -413,14 +441,7 @@ class Pool:
         )
         if denial is not None:
             return call.outcome(Status.DENIED, error=denial)
-        call.context = ExecutionContext(
-            call_id=call.call_id,
-            workspace=self.workspace,
-            cwd=call_cwd,
-            env=self._call_env(call.env),
-            limits=call.limits or self._default_limits(),
-            max_output_bytes=self.config.calls.max_output_bytes,
-        )
+        call.context = self._context(call, call_cwd)
         if self.state is not PoolState.OPEN or self._template_lost:
             call.request_kill(KilledBy.SHUTDOWN, "pool closing")
         worker = await self._acquire(call)
@@ -495,7 +516,7 @@ class Pool:
             return None
         self._waiting.append(call)
         self._assign()
-        self._replenish()
+        self._replenish(eager=False)
         either: set[asyncio.Future[Any]] = {call.assigned, call.kill_requested}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if call.assigned.done():
@@ -520,10 +541,19 @@ class Pool:
             self._busy += 1
             call.assigned.set_result(worker)
 
-    def _replenish(self) -> None:
+    def _replenish(self, *, eager: bool = True) -> None:
+        """Ask the template for the workers we lack.
+
+        ``eager`` (a call just finished, a worker exited): fill up to ``prefork`` spare workers
+        plus one per queued call. Not eager (a call is being dispatched): fork only what queued
+        calls need now, and keep one spare; the rest waits until the call is done, because a
+        fork and a worker's start-up compete for the same cores as the call being served.
+        """
         if self.state is not PoolState.OPEN or self._template is None or self._template_lost:
             return
-        wanted = min(self.prefork, self.max_workers) + max(0, len(self._waiting) - len(self._idle))
+        shortfall = max(0, len(self._waiting) - len(self._idle))
+        spares = min(self.prefork, self.max_workers)
+        wanted = spares + shortfall if eager else shortfall + min(spares, 1)
         missing = wanted - len(self._idle) - self._starting
         if missing > 0:
             self._starting += missing
@@ -542,7 +572,9 @@ class Pool:
         assert call.context is not None
         call.worker = worker
         worker.call = call
-        message = encoder.encode(Call(tool=call.tool, args=call.raw_args, context=call.context))
+        message = encoder.encode(
+            Call(tool=call.tool, args=call.raw_args, context=call.context, secret=call.secret)
+        )
         try:
             self._router.send_multipart([worker.identity, message], flags=zmq.NOBLOCK)
             # ZeroMQ's FD is edge-triggered and a send can consume the edge of a message that
@@ -558,10 +590,10 @@ class Pool:
         if call.tool == "bash" and self.config.calls.grace_s > 0:
             # bash gets SIGTERM first so a command can clean up; file tools hold nothing worth it.
             worker.signal_group(signal.SIGTERM)
-            if await worker.wait_exited(self.config.calls.grace_s):
+            if await worker.wait_gone(self.config.calls.grace_s):
                 return False
         worker.signal_group(signal.SIGKILL)
-        if await worker.wait_exited(self.config.calls.kill_wait_s):
+        if await worker.wait_gone(self.config.calls.kill_wait_s):
             return False
         worker.quarantine()
         logger.warning(
@@ -577,29 +609,43 @@ class Pool:
         if router is None or router.closed:
             return
         while int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            frames = router.recv_multipart(zmq.NOBLOCK)
+            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             try:
-                self._on_worker_message(frames)
+                self._on_worker_message([f.bytes for f in frames], _peer_pid(frames[-1]))
             except Exception:  # one bad message must never stop the receive path
                 logger.exception("error while handling a worker message")
 
-    def _on_worker_message(self, frames: list[bytes]) -> None:
+    def _on_worker_message(self, frames: list[bytes], peer_pid: int | None = None) -> None:
+        """One message from the ROUTER. Whatever is not a valid message for a live call from
+        the worker it went to is dropped and logged: it never raises, never touches a call.
+
+        ``peer_pid``: the process that opened the connection (None where ZeroMQ cannot say).
+        """
         if len(frames) != 2:
             logger.warning("dropped a message of {} frames", len(frames))
             return
         identity, payload = frames
         try:
             message = worker_decoder.decode(payload)
-        except msgspec.DecodeError as exc:
+        # DecodeError is a ValueError, like the UnicodeDecodeError of a str that is not UTF-8;
+        # a value nested deep enough raises RecursionError.
+        except (ValueError, RecursionError) as exc:
             logger.warning("dropped an undecodable message ({} bytes): {}", len(payload), exc)
+            return
+        if message.v != PROTOCOL_VERSION:
+            logger.warning("dropped a message of protocol version {!r}", message.v)
             return
         worker = self._workers.get(identity.decode(errors="replace"))
         if isinstance(message, Ready):
-            self._on_ready(identity, message, worker)
+            self._on_ready(identity, message, worker, peer_pid)
         elif worker is None or worker.call is None:
             logger.warning("dropped a result from a worker with no call")
         elif message.call_id != worker.call.call_id:
             logger.warning("dropped a result for the wrong call from worker {}", worker.pid)
+        elif not hmac.compare_digest(message.secret.encode(), worker.call.secret.encode()):
+            logger.warning("dropped a result without its call's secret (worker {})", worker.pid)
+        elif message.status not in _STATUSES:
+            logger.warning("dropped a result of unknown status {!r}", message.status)
         elif not worker.call.result.done():
             worker.call.result.set_result(message)
 
@@ -611,19 +657,37 @@ class Pool:
             self._workers[token] = worker
         return worker
 
-    def _on_ready(self, identity: bytes, message: Ready, known: Worker | None) -> None:
+    def _on_ready(
+        self, identity: bytes, message: Ready, known: Worker | None, peer_pid: int | None
+    ) -> None:
         if message.token.encode() != identity:
             logger.warning("dropped a Ready whose token does not match its identity")
             return
-        worker = known or self._worker(message.token)
+        if known is None:
+            # Before the template's Spawned (they travel separately) or forged: keep who sent
+            # it until Spawned says which process the token belongs to.
+            self._early_ready[message.token] = peer_pid
+            while len(self._early_ready) > MAX_EARLY_READY:
+                self._early_ready.pop(next(iter(self._early_ready)))
+            return
+        self._accept_ready(known, peer_pid)
+
+    def _accept_ready(self, worker: Worker, peer_pid: int | None) -> None:
+        # A stranger may connect first under a token not yet in use; the connection's pid
+        # (SO_PEERCRED) must be the one the template forked for it.
+        if peer_pid is not None and peer_pid != worker.pid:
+            logger.warning("dropped a Ready for worker {} sent by process {}", worker.pid, peer_pid)
+            return
         worker.ready = True
         self._maybe_idle(worker)
 
     def _on_template(self, message: FromTemplate) -> None:
         if isinstance(message, Spawned):
             worker = self._worker(message.token)
-            worker.pid = message.pid
+            worker.watch(message.pid)
             self._workers_by_pid[message.pid] = worker
+            if message.token in self._early_ready:
+                self._accept_ready(worker, self._early_ready.pop(message.token))
             self._maybe_idle(worker)
         elif isinstance(message, Exited):
             if message.pid not in self._workers_by_pid:
@@ -658,6 +722,18 @@ class Pool:
             worker.mark_exited(-signal.SIGKILL)
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _context(self, call: _Call, cwd: str) -> ExecutionContext:
+        """Everything the worker needs for this call, and nothing shared with another call."""
+        return ExecutionContext(
+            call_id=call.call_id,
+            workspace=self.workspace,
+            cwd=cwd,
+            env=self._call_env(call.env),
+            limits=call.limits or self._default_limits(),
+            max_output_bytes=self.config.calls.max_output_bytes,
+            sandbox=self._sandbox or Sandbox(),
+        )
 
     def _call_env(self, env: dict[str, str] | None) -> dict[str, str]:
         """The scrubbed environment: the allowlist from ours, the config's, then the call's."""
@@ -704,6 +780,15 @@ class Pool:
             for w in self._workers.values()
             if w.state is WorkerState.QUARANTINED
         ]
+
+
+def _peer_pid(frame: zmq.Frame) -> int | None:
+    """The pid of the process that opened the frame's connection: ZeroMQ reads SO_PEERCRED
+    for ipc:// and reports it as the last field of "Peer-Address" (host:uid:gid:pid)."""
+    try:
+        return int(str(frame.get("Peer-Address")).rsplit(":", 1)[1])
+    except (zmq.ZMQError, ValueError, IndexError):
+        return None
 
 
 def _mib(value: int | None) -> int | None:

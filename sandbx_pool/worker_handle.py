@@ -20,13 +20,19 @@ class WorkerState(enum.IntEnum):
 
 class Worker:
     def __init__(self, token: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         self.token = token
         self.identity = token.encode()
         self.pid: int | None = None
         self.ready = False
         self.state = WorkerState.STARTING
         self.call: Any = None
+        # Two views of its end: ``gone`` from our own pidfd, the moment the process is dead
+        # (what a kill waits for); ``exited`` from the template, once it has reaped the worker
+        # and knows its status (what a crash report needs). The first is a hop shorter.
+        self.gone: asyncio.Future[None] = loop.create_future()
         self.exited: asyncio.Future[int] = loop.create_future()
+        self._pidfd: int | None = None
         self.wchan: str | None = None
         self.quarantined_at: float | None = None
 
@@ -45,15 +51,39 @@ class Worker:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
 
-    async def wait_exited(self, within_s: float) -> bool:
+    def watch(self, pid: int) -> None:
+        """Learn our pid (the template forked it) and watch for its death through a pidfd."""
+        self.pid = pid
         try:
-            await asyncio.wait_for(asyncio.shield(self.exited), within_s)
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._set_gone()
+            return
+        self._loop.add_reader(self._pidfd, self._set_gone)
+
+    def _set_gone(self) -> None:
+        self.stop_watching()
+        if not self.gone.done():
+            self.gone.set_result(None)
+
+    def stop_watching(self) -> None:
+        """Release the pidfd (the pool is closing; a stuck worker may outlive it)."""
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    async def wait_gone(self, within_s: float) -> bool:
+        """True once the process is dead, False if it is still alive after ``within_s``."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.gone), within_s)
         except TimeoutError:
             return False
         return True
 
     def mark_exited(self, returncode: int) -> None:
         self.state = WorkerState.EXITED
+        self._set_gone()
         if not self.exited.done():
             self.exited.set_result(returncode)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import errno
+import contextlib
 import os
 import time
 import uuid
 from collections.abc import Callable
+
+from conftest import MARKER
 
 
 async def wait_until(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
@@ -20,15 +22,42 @@ async def wait_until(predicate: Callable[[], bool], within_s: float = 5.0) -> No
 
 
 def fifo_has_reader(path: str | os.PathLike[str]) -> bool:
-    """True while some process holds ``path`` (a FIFO) open for reading."""
+    """True while one of this test session's processes holds the FIFO ``path`` open, or is
+    blocked opening a FIFO (which one is not exposed by the kernel; tests use one at a time).
+
+    Looked up in /proc rather than by opening the FIFO for writing: that open would complete
+    a reader blocked in open(), which would then read EOF and finish instead of staying blocked.
+    """
+    fifo = os.stat(path)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or not _ours(entry):
+            continue
+        if _wchan(entry) == "wait_for_partner":
+            return True
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                with contextlib.suppress(OSError):
+                    st = os.stat(f"/proc/{entry}/fd/{fd}")
+                    if (st.st_dev, st.st_ino) == (fifo.st_dev, fifo.st_ino):
+                        return True
+    return False
+
+
+def _ours(pid: str) -> bool:
+    mark = f"{MARKER}={os.environ.get(MARKER, '')}".encode()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:
-            return False
-        raise
-    os.close(fd)
-    return True
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return mark in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _wchan(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def unique_tag() -> str:

@@ -17,7 +17,7 @@ changes. Encoders and decoders are built once per process (module level below).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -36,6 +36,20 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     file_size_bytes: int | None = None
 
 
+class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How a worker confines itself before the tool runs (applied by workers.sandbox)."""
+
+    filesystem: Literal["workspace", "host"] = "workspace"  # "host": no filesystem rules
+    read_only: tuple[str, ...] = ()  # extra paths, beyond the system's and Python's
+    writable: tuple[str, ...] = ()  # extra paths, beyond the workspace and the call's TMPDIR
+    network: bool = True  # False: no TCP bind/connect, and a network namespace of its own
+    tmp_root: str | None = None  # where the call's private TMPDIR is made (None: no TMPDIR)
+    hidden: tuple[str, ...] = ()  # covered by an empty mount: the coordinator's socket dir
+    uid: int | None = None  # run_as: drop to this user (and gid, groups) before the tool runs
+    gid: int | None = None
+    groups: tuple[int, ...] = ()
+
+
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a call runs with. Each call gets its own: parallel calls never share one."""
 
@@ -45,6 +59,7 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     env: dict[str, str]
     limits: Limits = Limits()
     max_output_bytes: int = 1024 * 1024
+    sandbox: Sandbox = Sandbox()
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
@@ -64,6 +79,9 @@ class Call(Message, tag="call"):
     tool: str
     args: dict[str, Any]
     context: ExecutionContext
+    #: Made by the coordinator for this call only; the Result must carry it back. The worker
+    #: keeps it in its own (non-dumpable) memory: never in the tool's environment or files.
+    secret: str = ""
 
 
 class Result(Message, tag="result"):
@@ -74,6 +92,7 @@ class Result(Message, tag="result"):
     value: dict[str, Any] | None = None
     error: str | None = None
     limit: str | None = None
+    secret: str = ""
 
 
 WorkerMessage = Ready | Result

@@ -1,7 +1,7 @@
 """The life of one worker, from the moment the template forked it: one call, then exit.
 
-    connect DEALER -> send Ready -> receive Call -> apply limits -> run the tool
-    -> kill whatever the tool left running -> send Result -> exit
+    connect DEALER -> send Ready -> receive Call -> confine (workers.sandbox) -> apply limits
+    -> run the tool -> kill whatever the tool left running -> send Result -> exit
 
 The worker makes its own ZeroMQ context here, after the fork: a context never crosses a fork.
 It never decides a cancel or a timeout itself: the coordinator kills its process group. The one
@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from workers import containment
+from workers import containment, sandbox
 from workers.errors import LimitExceeded, ToolError
 from workers.protocol import (
     MAX_MESSAGE_BYTES,
@@ -47,16 +47,56 @@ _RLIMITS: dict[str, tuple[int, str]] = {
 }
 
 
+#: bash itself killed by one of these signals ran into that limit (its commands inherit ours).
+_LIMIT_SIGNALS: dict[int, tuple[str, str]] = {
+    signal.SIGXCPU: ("cpu_seconds", "cpu"),
+    signal.SIGXFSZ: ("file_size_bytes", "file_size"),
+}
+
+
+class CpuLimitExceeded(BaseException):
+    """Raised in the tool by our SIGXCPU handler; a BaseException, so no tool swallows it."""
+
+
+def _on_sigxcpu(signum: int, frame: object) -> None:
+    # A worker that is its PID namespace's init ignores SIGXCPU's default action (the kernel
+    # protects a namespace's init), so without a handler it would run on to the SIGKILL of the
+    # hard limit, and its outcome could not say why. Python checks signals even inside a long
+    # regex match, so this stops a runaway grep too.
+    raise CpuLimitExceeded
+
+
 def apply_limits(limits: Limits) -> None:
     for field, (which, _) in _RLIMITS.items():
         value = getattr(limits, field)
         if value is not None:
             _, hard = resource.getrlimit(which)
-            new_hard = value if hard == resource.RLIM_INFINITY else min(value, hard)
-            resource.setrlimit(which, (min(value, new_hard), new_hard))
+            if which == resource.RLIMIT_AS:
+                # The soft limit only, so that relax_limits() can give the worker back the
+                # room its own teardown needs: ZeroMQ's threads allocate as they exit, glibc
+                # aborts the process when they cannot, and the Result would be lost.
+                new_hard = hard
+            else:
+                # CPU: the hard limit a second later, so that SIGXCPU (the soft limit, which
+                # names the cause) comes first; at soft == hard the kernel sends SIGKILL.
+                wanted = value + 1 if which == resource.RLIMIT_CPU else value
+                new_hard = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            soft = value if new_hard == resource.RLIM_INFINITY else min(value, new_hard)
+            resource.setrlimit(which, (soft, new_hard))
     if limits.file_size_bytes is not None:
         # A write past the limit should fail with EFBIG (a clear error), not kill us with SIGXFSZ.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if limits.cpu_seconds is not None:
+        signal.signal(signal.SIGXCPU, _on_sigxcpu)
+
+
+def relax_limits(limits: Limits) -> None:
+    """Once the tool is done: nothing the worker does to answer may trip the call's limits."""
+    if limits.address_space_bytes is not None:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+    if limits.cpu_seconds is not None:
+        signal.signal(signal.SIGXCPU, signal.SIG_IGN)
 
 
 def run_call(call: Call) -> Result:
@@ -64,8 +104,13 @@ def run_call(call: Call) -> Result:
     ctx: ExecutionContext = call.context
     try:
         apply_limits(ctx.limits)
-        args = parse_args(call.tool, call.args, internal=True)
-        value: dict[str, Any] = WORKER_ACTIONS[call.tool](args, ctx)
+        try:
+            args = parse_args(call.tool, call.args, internal=True)
+            value: dict[str, Any] = WORKER_ACTIONS[call.tool](args, ctx)
+        finally:
+            # Before anything else allocates: building the Result and handing it to ZeroMQ must
+            # not fail under a limit the tool used up.
+            relax_limits(ctx.limits)
     except (UnknownTool, msgspec.ValidationError) as exc:
         return Result(call_id=ctx.call_id, status="error", error=f"bad arguments: {exc}")
     except LimitExceeded as exc:
@@ -79,6 +124,15 @@ def run_call(call: Call) -> Result:
             error=f"memory limit exceeded ({ctx.limits.address_space_bytes} bytes)",
             limit="memory",
         )
+    except CpuLimitExceeded:
+        # "crashed", as when SIGXCPU ends a worker that is not a namespace's init: the tool was
+        # stopped in the middle, not finished with an error.
+        return Result(
+            call_id=ctx.call_id,
+            status="crashed",
+            error=f"CPU time limit exceeded ({ctx.limits.cpu_seconds} s)",
+            limit="cpu",
+        )
     except OSError as exc:
         if exc.errno == errno.EFBIG:
             message = f"file size limit exceeded ({ctx.limits.file_size_bytes} bytes)"
@@ -90,7 +144,11 @@ def run_call(call: Call) -> Result:
     except Exception as exc:  # a bug in a tool must still end as an outcome
         detail = "".join(traceback.format_exception_only(exc)).strip()
         return Result(call_id=ctx.call_id, status="error", error=f"internal error: {detail}")
-    result = Result(call_id=ctx.call_id, status="ok", value=value)
+    limit = None
+    if call.tool == "bash" and value.get("signal") in _LIMIT_SIGNALS:
+        field, name = _LIMIT_SIGNALS[value["signal"]]
+        limit = name if getattr(ctx.limits, field) is not None else None
+    result = Result(call_id=ctx.call_id, status="ok", value=value, limit=limit)
     if len(encoder.encode(result)) > ctx.max_output_bytes + 4096:
         return Result(
             call_id=ctx.call_id,
@@ -128,11 +186,21 @@ def serve(token: str, endpoint: str) -> None:
     sock.setsockopt(zmq.LINGER, SEND_LINGER_MS)
     sock.connect(endpoint)
     warm_up()
+    prepared = sandbox.prepare()
     sock.send(encoder.encode(Ready(token=token)))
     call = call_decoder.decode(sock.recv())
-    result = run_call(call)
+    confinement = None
+    try:
+        confinement = sandbox.confine(call, prepared)
+    except sandbox.SandboxError as exc:
+        result = Result(call_id=call.context.call_id, status="error", error=str(exc))
+    else:
+        result = run_call(confinement.call)
     containment.kill_descendants()
-    sock.send(encoder.encode(result))
+    # The secret proves to the coordinator that this Result comes from the worker it chose.
+    sock.send(encoder.encode(msgspec.structs.replace(result, secret=call.secret)))
+    if confinement is not None:
+        confinement.release()
     sock.close()
     context.term()
     os._exit(0)

@@ -1,0 +1,260 @@
+"""``sandbx-pool doctor``: which protections each call gets on this machine, and the fallbacks.
+
+Every line is a probe, not a guess from the kernel version: the namespace and Landlock probes
+run in a throwaway child process (they change the process that makes them), the rest here.
+
+    doctor --> python -c _probe_child() --> unshare(PID, mount, network), prctl, Landlock
+           <-- JSON: what each step allowed
+    doctor --> pidfd, cgroup v2 (mkdir + rmdir of a child group), FUSE, ZeroMQ peer pid
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import msgspec
+
+from workers import landlock
+
+
+class Check(msgspec.Struct, frozen=True):
+    name: str
+    ok: bool
+    detail: str  # what holds when ok
+    fallback: str  # what happens instead when not
+
+
+def _child_probes() -> dict[str, Any]:
+    """Run in a disposable child: each probe changes this process for good."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    zero = ctypes.c_ulong(0)
+    found: dict[str, Any] = {}
+    found["pid_namespaces"] = libc.unshare(0x20000000) == 0
+    mount_ns = libc.unshare(0x00020000) == 0
+    # The recursive slave mount is the step the worker cannot do without (see sandbox.py).
+    found["mount_namespaces"] = (
+        mount_ns
+        and libc.mount(b"none", b"/", None, ctypes.c_ulong((1 << 14) | (1 << 19)), None) == 0
+    )
+    found["network_namespaces"] = libc.unshare(0x40000000) == 0
+    found["capability_bounding_set"] = libc.prctl(24, ctypes.c_ulong(16), zero, zero, zero) == 0
+    found["no_new_privs"] = libc.prctl(38, ctypes.c_ulong(1), zero, zero, zero) == 0
+    found["landlock_enforced"] = False
+    if landlock.abi_version() > 0 and found["no_new_privs"]:
+        ruleset = landlock.Ruleset(handled_fs=landlock.READ_FILE)
+        ruleset.restrict_self()
+        try:
+            with open("/etc/passwd", "rb"):
+                pass
+        except PermissionError:
+            found["landlock_enforced"] = True
+    return found
+
+
+def _run_child_probes() -> dict[str, Any]:
+    code = "import json, sandbx_pool.doctor as d; print(json.dumps(d._child_probes()))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:] or ["probe failed"]}
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def _pidfd() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+def _cgroup2() -> tuple[str | None, bool]:
+    """Our cgroup v2 directory, and whether we may make child groups in it."""
+    mount = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split(" - ")
+            if len(fields) == 2 and fields[1].split()[0] == "cgroup2":
+                mount = fields[0].split()[4]
+    if mount is None:
+        return None, False
+    own = "/"
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            if line.startswith("0::"):
+                own = line[3:].strip()
+    path = os.path.join(mount, own.lstrip("/"))
+    try:
+        probe = tempfile.mkdtemp(prefix="sandbx-doctor-", dir=path)
+    except OSError:
+        return path, False
+    with contextlib.suppress(OSError):
+        os.rmdir(probe)
+    return path, True
+
+
+def _fuse() -> tuple[bool, str]:
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as exc:
+        return False, f"/dev/fuse: {exc.strerror}"
+    missing = [
+        what
+        for what, present in (
+            ("fusermount3", shutil.which("fusermount3") is not None),
+            ("libfuse3", ctypes.util.find_library("fuse3") is not None),
+        )
+        if not present
+    ]
+    if missing:
+        return False, f"/dev/fuse opens, but no {' and no '.join(missing)} (Debian: fuse3)"
+    return True, "/dev/fuse, fusermount3 and libfuse3 present"
+
+
+def _peer_pid() -> bool:
+    """Whether ZeroMQ reports a connection's pid (the pool's check on Ready messages)."""
+    import zmq
+
+    from sandbx_pool.pool import _peer_pid as peer_pid
+
+    directory = tempfile.mkdtemp(prefix="sandbx-doctor-")
+    context = zmq.Context()
+    try:
+        router = context.socket(zmq.ROUTER)
+        router.bind(f"ipc://{directory}/s")
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(f"ipc://{directory}/s")
+        dealer.send(b"x")
+        if not router.poll(5000):
+            return False
+        frames = router.recv_multipart(copy=False)
+        return peer_pid(frames[-1]) == os.getpid()
+    finally:
+        context.destroy(linger=0)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def diagnose() -> list[Check]:
+    child = _run_child_probes()
+    abi = landlock.abi_version()
+    cgroup, cgroup_writable = _cgroup2()
+    fuse_ok, fuse_detail = _fuse()
+    return [
+        Check(
+            f"Landlock filesystem rules (ABI {abi})",
+            bool(child.get("landlock_enforced")),
+            "each call reads and writes only its workspace and TMPDIR (verified: a read "
+            "outside the rules was refused)",
+            "no kernel filesystem confinement: only the file tools' path checks; bash reaches "
+            "whatever the worker's user can",
+        ),
+        Check(
+            "Landlock network rules (ABI 4)",
+            landlock.has_net_rules(abi),
+            "network = false: TCP connect and bind fail with EACCES (Permission denied)",
+            "network = false relies on a network namespace alone, else calls are refused",
+        ),
+        Check(
+            "Landlock scoping (ABI 6)",
+            landlock.has_scoping(abi),
+            "a call can signal, and reach by abstract unix socket, only its own processes",
+            "signals to outside processes are stopped by the PID namespace alone",
+        ),
+        Check(
+            "PID namespaces",
+            bool(child.get("pid_namespaces")),
+            "each worker is pid 1 of its own namespace: host pids are out of a call's reach",
+            "subreaper containment (the template sweeps orphans); a call can signal host pids",
+        ),
+        Check(
+            "mount namespaces",
+            bool(child.get("mount_namespaces")),
+            "a private /proc per call (no coordinator environ) and the socket dir hidden",
+            "calls see every process in /proc, and can reach the coordinator's socket (which "
+            "drops what is not from the worker it chose)",
+        ),
+        Check(
+            "network namespaces",
+            bool(child.get("network_namespaces")),
+            "network = false also cuts UDP and raw traffic (ENETUNREACH)",
+            "network = false blocks TCP only (Landlock), UDP still goes out",
+        ),
+        Check(
+            "no_new_privs",
+            bool(child.get("no_new_privs")),
+            "nothing a call execs gains privileges (setuid binaries, file capabilities)",
+            "Landlock cannot be used either",
+        ),
+        Check(
+            "capability bounding set",
+            bool(child.get("capability_bounding_set")),
+            "commands run with a container's default capabilities (no ptrace, mount, modules)",
+            "not root: commands have no capabilities anyway",
+        ),
+        Check(
+            "root",
+            os.geteuid() == 0,
+            "[sandbox] run_as can drop calls to another user",
+            "[sandbox] run_as is unavailable; calls run as this user",
+        ),
+        Check(
+            "ZeroMQ peer credentials",
+            _peer_pid(),
+            "a Ready is accepted only from the pid the template forked for its token",
+            "a Ready is matched on its token alone (results still need the call's secret)",
+        ),
+        Check(
+            "pidfd",
+            _pidfd(),
+            "worker exits are observed through pidfds",
+            "worker exits are learnt from the template's SIGCHLD reports only",
+        ),
+        Check(
+            "cgroup v2 (writable)",
+            cgroup_writable,
+            f"child groups can be made in {cgroup}",
+            f"{cgroup or 'no cgroup2 mount'}: not writable; limits use setrlimit only",
+        ),
+        Check(
+            "FUSE (for the tests)",
+            fuse_ok,
+            fuse_detail,
+            f"{fuse_detail}: the hung-filesystem tests skip (and fail under CI=true)",
+        ),
+    ]
+
+
+def report(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = ["sandbx-pool doctor: what confines each call on this machine", ""]
+    for check in checks:
+        mark, text = ("yes", check.detail) if check.ok else ("no ", f"-> {check.fallback}")
+        lines.append(f"  {mark}  {check.name:<{width}}  {text}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = diagnose()
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(checks), indent=2))
+    else:
+        print(report(checks))
+    return 0
+
+
+def add_doctor_parser(commands: Any) -> None:
+    doctor = commands.add_parser("doctor", help="show which protections this machine enforces")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.set_defaults(func=run)

@@ -1,0 +1,349 @@
+"""What a call's commands can reach: the worker confines itself before its tool runs.
+
+The tools run what a language model wrote, usually as root. The boundary is therefore the
+kernel's, set up by the worker itself in two stages::
+
+    fork --> prepare()      while idle, before Ready (off the call's clock): the part of the
+    |                       Landlock ruleset that is the same for every call
+    connect --> Ready --> Call
+    |
+    confine(call)           after the Call arrived (the connection is up), before the tool:
+    |   TMPDIR              a private directory for this call, set in bash's environment
+    |   no_new_privs        nothing exec'd gains privileges (setuid bits, file capabilities)
+    |   mounts              a mount namespace of its own: a /proc that shows only the call's
+    |                       processes, an empty mount over the coordinator's socket directory
+    |   network = false     a network namespace of its own
+    |   capabilities        programs exec'd get a container's default set: no ptrace, no
+    |                       mount, no module loading, no device nodes
+    |   run_as              setgroups, setgid, setuid
+    |   non-dumpable        the worker's memory (the call's secret) is closed to its commands
+    |   Landlock            filesystem rules, TCP rules, signal and abstract socket scoping
+    v
+    tool --> Result --> release(): remove TMPDIR
+
+The mount namespace is made per call, not while idle: a copy of the mount table taken before
+the call would hide whatever was mounted since (the NFS share, the FUSE mount the call is about).
+
+Each step applies where the machine permits it and is skipped where it does not
+(``sandbx-pool doctor`` shows which); ``network = false`` alone refuses the call when nothing
+can enforce it, since the caller asked for it explicitly.
+
+Landlock restricts only the calling thread and what it starts afterwards: ZeroMQ's I/O thread,
+made before, keeps its socket, and bash, forked from this thread, is confined with everything
+it starts. A confined process can neither ptrace nor signal a process outside its domain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import secrets
+import shutil
+import sys
+
+import msgspec
+
+from workers import landlock
+from workers.containment import in_own_pid_namespace
+from workers.errors import ToolError
+from workers.protocol import Call, ExecutionContext, Sandbox
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+_PR_CAPBSET_READ = 23
+_PR_CAPBSET_DROP = 24
+_PR_GET_NO_NEW_PRIVS = 39
+_PR_SET_DUMPABLE = 4
+_PR_SET_NO_NEW_PRIVS = 38
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWNET = 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REC, _MS_SLAVE = 1 << 14, 1 << 19
+
+#: Capabilities that programs exec'd by a root worker keep: Docker's default set without MKNOD
+#: (a device node in the workspace would be a door around the filesystem rules), so no
+#: SYS_PTRACE, SYS_ADMIN, SYS_MODULE, NET_ADMIN... NET_RAW (13) only while the network is on.
+_KEPT_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 29, 31})
+_CAP_NET_RAW = 13
+
+#: Read-only for every call: programs, libraries, configuration.
+SYSTEM_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+#: Devices any command may open: reading and writing them reaches no file.
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
+
+_READ = landlock.EXECUTE | landlock.READ_FILE | landlock.READ_DIR
+_PROC = landlock.READ_FILE | landlock.READ_DIR
+_DEVICE = landlock.READ_FILE | landlock.WRITE_FILE | landlock.TRUNCATE | landlock.IOCTL_DEV
+_WRITE = landlock.fs_rights(99) & ~(landlock.MAKE_CHAR | landlock.MAKE_BLOCK | landlock.IOCTL_DEV)
+_SCOPES = landlock.SCOPE_SIGNAL | landlock.SCOPE_ABSTRACT_UNIX_SOCKET
+
+
+class SandboxError(ToolError):
+    """The call cannot be confined as configured: it is refused (status ``error``)."""
+
+
+class Prepared:
+    """What ``prepare`` did while idle: the ruleset's fixed rules, the capability count."""
+
+    def __init__(self, ruleset: landlock.Ruleset | None, last_cap: int) -> None:
+        self.ruleset = ruleset
+        self.last_cap = last_cap
+
+
+class Confinement:
+    """The call as its tool must see it (TMPDIR in its environment), and what to undo after."""
+
+    def __init__(self, call: Call, tmpdir: str | None) -> None:
+        self.call = call
+        self.tmpdir = tmpdir
+
+    def release(self) -> None:
+        """Remove the call's TMPDIR (what a killed worker leaves, the pool removes on close)."""
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def prepare() -> Prepared:
+    """Build what every call's confinement shares, so that the call does not wait for it."""
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last_cap = int(f.read())
+    except OSError:
+        last_cap = 40
+    _rehearse(last_cap)
+    if landlock.abi_version() == 0:
+        return Prepared(None, last_cap)
+    try:
+        ruleset = landlock.Ruleset(handled_fs=landlock.fs_rights(99), scoped=_SCOPES)
+    except OSError:
+        return Prepared(None, last_cap)  # confine() tries again and reports the failure
+    try:
+        for path in dict.fromkeys([*SYSTEM_READ_ONLY, *_python_dirs()]):
+            ruleset.allow_path(path, _READ)
+        ruleset.allow_path("/sys", _PROC)
+        for device in DEVICES:
+            ruleset.allow_path(device, _DEVICE)
+    except OSError:
+        ruleset.close()
+        return Prepared(None, last_cap)
+    return Prepared(ruleset, last_cap)
+
+
+def _rehearse(last_cap: int) -> None:
+    """Walk confine()'s Python paths with no effect, so that their first-use costs (ctypes
+    conversions, copy-on-write faults on the template's pages) are paid while idle."""
+    ctx = ExecutionContext(call_id="", workspace="/", cwd="/", env={"PATH": os.defpath})
+    msgspec.structs.replace(ctx, env={**ctx.env, "TMPDIR": secrets.token_hex(8)})
+    _within("/", _readable(ctx))
+    for cap in range(last_cap + 1):
+        _prctl(_PR_CAPBSET_READ, cap)
+    _prctl(_PR_GET_NO_NEW_PRIVS, 0)
+    os.path.realpath("/")
+
+
+def confine(call: Call, prepared: Prepared) -> Confinement:
+    """Restrict this process, and everything it starts, for ``call``. Irreversible.
+
+    Raises SandboxError when the configuration asks for something this machine cannot enforce
+    or a step fails; the tool must then not run.
+    """
+    ctx = call.context
+    box = ctx.sandbox
+    tmpdir = _make_tmpdir(box, ctx.call_id)
+    try:
+        if tmpdir is not None:
+            env = {**ctx.env, "TMPDIR": tmpdir}
+            home = env.get("HOME")
+            if box.filesystem == "workspace" and home and not _within(home, _readable(ctx)):
+                # A HOME the rules make unreadable breaks tools that treat EACCES on their
+                # config as fatal (git does); an empty, private one they handle.
+                env["HOME"] = tmpdir
+            call = msgspec.structs.replace(call, context=msgspec.structs.replace(ctx, env=env))
+        _check(_prctl(_PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
+        _private_mounts(box.hidden, [ctx.workspace, ctx.cwd, tmpdir, *box.writable])
+        network_namespace = not box.network and _libc.unshare(_CLONE_NEWNET) == 0
+        rulesets = _rulesets(call.context, tmpdir, prepared, network_namespace)
+        _drop_capabilities(prepared.last_cap, keep_net_raw=box.network)
+        if box.uid is not None:
+            os.setgroups(list(box.groups))
+            os.setgid(box.gid if box.gid is not None else box.uid)
+            os.setuid(box.uid)
+        # After setuid, which resets it. Same-user processes lacking CAP_SYS_PTRACE (bash, once
+        # the bounding set is dropped) may then neither ptrace us nor open /proc/<us>/mem.
+        _check(_prctl(_PR_SET_DUMPABLE, 0), "prctl(PR_SET_DUMPABLE)")
+        for ruleset in rulesets:
+            ruleset.restrict_self()
+    except (OSError, SandboxError) as exc:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        if isinstance(exc, SandboxError):
+            raise
+        raise SandboxError(f"cannot confine the call: {exc}") from exc
+    return Confinement(call, tmpdir)
+
+
+# -- the steps ---------------------------------------------------------------------------------
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+
+
+def _prctl(option: int, arg: int) -> int:
+    # prctl is variadic and the kernel reads unsigned longs (and wants the unused ones zero).
+    zero = ctypes.c_ulong(0)
+    return int(_libc.prctl(option, ctypes.c_ulong(arg), zero, zero, zero))
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    _check(
+        _libc.mount(
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        ),
+        f"mount {target}",
+    )
+
+
+def _make_tmpdir(box: Sandbox, call_id: str) -> str | None:
+    if box.tmp_root is None:
+        return None
+    safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in call_id)[:64]
+    # A random part, so that a call cannot guess (and remove) another call's TMPDIR.
+    path = os.path.join(box.tmp_root, f"{safe_id}-{secrets.token_hex(8)}")
+    try:
+        os.mkdir(path, 0o700)
+        if box.uid is not None:
+            os.chown(path, box.uid, box.gid if box.gid is not None else box.uid)
+    except OSError as exc:
+        raise SandboxError(f"cannot make the call's TMPDIR in {box.tmp_root}: {exc}") from exc
+    return path
+
+
+def _private_mounts(hidden: tuple[str, ...], needed: list[str | None]) -> None:
+    """A mount namespace of our own, with a private /proc and the hidden directories covered.
+
+    The host's /proc shows every process, and a root command may read a same-user process's
+    /proc/PID/environ even from a Landlock domain (Landlock refuses /proc/PID/mem outside the
+    domain, not that): the coordinator's environment is where API keys live. Landlock (up to
+    ABI 7) does not mediate connect() on a unix socket path either, so the coordinator's socket
+    directory must be out of the namespace, not just out of the rules. Our own ZeroMQ connection
+    is up already and does not go through the path again. Skipped where not permitted.
+    """
+    if _libc.unshare(_CLONE_NEWNS) != 0:
+        return  # not root: the doctor reports it
+    try:
+        # Slave, recursively, first: nothing mounted here may propagate back to the host.
+        _mount("none", "/", None, _MS_REC | _MS_SLAVE, None)
+    except OSError:
+        return  # so we mount nothing at all
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    if in_own_pid_namespace():
+        # Refused in some containers (a masked /proc): the host's /proc it is, then.
+        with contextlib.suppress(OSError):
+            _mount("proc", "/proc", "proc", flags, None)
+    for path in hidden:
+        real = os.path.realpath(path)
+        if not os.path.isdir(real) or any(n and _within(n, [real]) for n in needed):
+            continue  # never hide what the call must use
+        with contextlib.suppress(OSError):  # the secret and the pid check still hold
+            _mount("sandbx-hidden", real, "tmpfs", flags | _MS_RDONLY, "size=4k,mode=000")
+
+
+def _drop_capabilities(last_cap: int, *, keep_net_raw: bool) -> None:
+    """Shrink the bounding set: what exec'd programs can ever hold. Ours are unchanged."""
+    kept = _KEPT_CAPS | ({_CAP_NET_RAW} if keep_net_raw else set())
+    for cap in range(last_cap + 1):
+        if cap not in kept and _prctl(_PR_CAPBSET_DROP, cap) != 0:
+            if ctypes.get_errno() == 1:  # EPERM: no CAP_SETPCAP, so not root: nothing to drop
+                return
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _within(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def _python_dirs() -> list[str]:
+    """The interpreter this worker runs on: it imports lazily and must keep working confined."""
+    dirs = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    # The worker's own package, wherever it is installed from (an editable install included).
+    dirs.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return dirs
+
+
+def _program_dirs(env: dict[str, str]) -> list[str]:
+    """The PATH's directories, each with its installation root when it is a bin or shims
+    directory (pyenv's shims run ``$PYENV_ROOT/libexec``), except / and HOME themselves."""
+    home = env.get("HOME", "").rstrip("/")
+    dirs = []
+    for entry in env.get("PATH", "").split(":"):
+        if not entry.startswith("/"):
+            continue  # a relative PATH entry means the cwd, which is the workspace
+        entry = entry.rstrip("/") or "/"
+        dirs.append(entry)
+        parent = os.path.dirname(entry)
+        if os.path.basename(entry) in ("bin", "shims") and parent not in ("/", home):
+            dirs.append(parent)
+    return dirs
+
+
+def _readable(ctx: ExecutionContext) -> list[str]:
+    """What a call may read, as the caller spelled it (to tell whether HOME is among it)."""
+    box = ctx.sandbox
+    return [ctx.workspace, *box.writable, *box.read_only, *_program_dirs(ctx.env)]
+
+
+def _rulesets(
+    ctx: ExecutionContext, tmpdir: str | None, prepared: Prepared, network_namespace: bool
+) -> list[landlock.Ruleset]:
+    """The Landlock domains to enter, rules added; none where Landlock is absent."""
+    box = ctx.sandbox
+    abi = landlock.abi_version()
+    offline = not box.network
+    if offline and not network_namespace and not landlock.has_net_rules(abi):
+        raise SandboxError(
+            "network = false cannot be enforced here: no Landlock network rules "
+            f"(ABI {abi}, need 4) and no network namespace (unshare refused)"
+        )
+    if abi == 0:
+        return []  # the file tools' own path checks are all that is left (see the doctor)
+    rulesets = []
+    if box.filesystem == "workspace":
+        ruleset = prepared.ruleset or prepare().ruleset
+        if ruleset is None:
+            raise OSError("cannot build the Landlock ruleset")
+        prepared.ruleset = None
+        rulesets.append(ruleset)
+        fixed = [*SYSTEM_READ_ONLY, *_python_dirs()]
+        for path in dict.fromkeys([*_program_dirs(ctx.env), *box.read_only]):
+            if not _within(path, fixed):  # /usr/bin is granted with /usr already
+                ruleset.allow_path(path, _READ)
+        ruleset.allow_path("/proc", _PROC)  # after the mounts: the private /proc, if any
+        for path in (ctx.workspace, *box.writable, *([tmpdir] if tmpdir else [])):
+            ruleset.allow_path(path, _WRITE)
+        if tmpdir is not None and box.tmp_root is not None:
+            # Only to remove the TMPDIR itself at the end; the root is not listable.
+            ruleset.allow_path(box.tmp_root, landlock.REMOVE_DIR)
+    else:
+        if prepared.ruleset is not None:
+            prepared.ruleset.close()
+            prepared.ruleset = None
+        # No filesystem rules, but a domain still (for the ptrace and scope rules): it handles
+        # device-node creation, which nobody is granted.
+        handled = landlock.MAKE_CHAR | landlock.MAKE_BLOCK
+        rulesets.append(landlock.Ruleset(handled_fs=handled, scoped=_SCOPES))
+    if offline and landlock.has_net_rules(abi):
+        # A domain of its own, stacked: the fixed rules above were built before we knew.
+        handled_net = landlock.NET_BIND_TCP | landlock.NET_CONNECT_TCP
+        rulesets.append(landlock.Ruleset(handled_net=handled_net))
+    return rulesets
+
+
+__all__ = ["Confinement", "Prepared", "SandboxError", "confine", "prepare"]
