@@ -1,4 +1,4 @@
-"""The ``sandbx-pool`` command: call, run, demo, tools, schema, journal."""
+"""The ``sandbx-pool`` command: call, run, demo, tools, schema, journal, mcp."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from sandbx_pool.logs import configure_logging
+from sandbx_pool.tool_definitions import STYLES, tool_definitions
 from workers.schemas import TOOL_ARGS, tool_schemas
 
 
@@ -35,33 +36,6 @@ def _is_string(schema: dict[str, Any]) -> bool:
     return any(option.get("type") == "string" for option in schema.get("anyOf", []))
 
 
-def _tool_definitions(style: str) -> list[dict[str, Any]]:
-    definitions = []
-    for name, schema in tool_schemas().items():
-        description = (TOOL_ARGS[name].__doc__ or name).strip()
-        parameters = {k: v for k, v in schema.items() if k != "description"}
-        if style == "anthropic":
-            definitions.append(
-                {"name": name, "description": description, "input_schema": parameters}
-            )
-        elif style == "openai":
-            definitions.append(
-                {
-                    "type": "function",
-                    "function": {
-                        "name": name,
-                        "description": description,
-                        "parameters": parameters,
-                    },
-                }
-            )
-        else:
-            definitions.append(
-                {"name": name, "description": description, "inputSchema": parameters}
-            )
-    return definitions
-
-
 def _cmd_tools(args: argparse.Namespace) -> int:
     schemas = tool_schemas()
     if args.json:
@@ -74,7 +48,7 @@ def _cmd_tools(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(_tool_definitions(args.format), indent=2))
+    print(json.dumps(tool_definitions(args.format), indent=2))
     return 0
 
 
@@ -94,8 +68,22 @@ def _cmd_call(args: argparse.Namespace) -> int:
     return run_until_signalled(one_call)
 
 
+def _cmd_mcp(args: argparse.Namespace) -> int:
+    from sandbx_pool.config import load_config
+    from sandbx_pool.errors import ConfigError
+    from sandbx_pool.mcp_server import run  # the MCP SDK is imported only for this command
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"sandbx-pool mcp: {exc}", file=sys.stderr)
+        return 2
+    return run(args.workspace, config, args.journal)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from sandbx_pool.batch_commands import add_batch_parsers
+    from sandbx_pool.doctor import add_doctor_parser
     from sandbx_pool.journal_commands import add_journal_parser
 
     parser = argparse.ArgumentParser(
@@ -121,11 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     tools.set_defaults(func=_cmd_tools)
 
     schema = commands.add_parser("schema", help="tool definitions for an LLM API")
-    schema.add_argument("--format", choices=["anthropic", "openai", "mcp"], default="anthropic")
+    schema.add_argument("--format", choices=STYLES, default="anthropic")
     schema.set_defaults(func=_cmd_schema)
+
+    mcp = commands.add_parser("mcp", help="serve the tools to an MCP client on stdin/stdout")
+    mcp.add_argument("--workspace", required=True, help="directory every path is confined to")
+    mcp.add_argument("--config", metavar="FILE", help="TOML settings")
+    mcp.add_argument("--journal", metavar="PATH", help="journal file (default: a new one)")
+    mcp.set_defaults(func=_cmd_mcp)
 
     add_batch_parsers(commands)
     add_journal_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 

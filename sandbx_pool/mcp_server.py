@@ -1,0 +1,286 @@
+"""``sandbx-pool mcp``: the seven tools as an MCP server on stdio, each call run by one Pool.
+
+    MCP client --tools/call (JSON-RPC line on our stdin)--> SDK dispatcher: one task per request
+        |  ToolServer.call_tool: pool.call(tool, args, cancel=token) in its own asyncio task
+        |  ok -> text + structuredContent;  any other status -> isError with the status named
+        v
+    response line on our stdout (the SDK's stdio transport; fds 0 and 1 point elsewhere meanwhile)
+
+    client's notifications/cancelled --> SDK cancels that request's anyio scope
+        --> call_tool cancels the call's CancelToken, waits (shielded) until the worker group is
+            dead and the outcome journaled, and re-raises; the SDK sends no response for it.
+    stdin EOF --> the SDK cancels every request in flight the same way, then ``run`` returns.
+    TERM/INT/HUP/QUIT --> ``signals.Stopper`` closes the pool (killer ``shutdown``): each call in
+        flight is answered as a ``cancelled`` tool error; then we stop reading stdin as if it
+        had ended, and exit 128 + N with every worker gone (a second INT exits at once).
+
+Why a token and not the task's cancellation: the SDK runs on anyio, whose cancel scopes deliver
+the cancellation again at every turn of the loop until the task leaves the scope. ``Pool.call``
+awaits its cleanup after the first CancelledError, so the second one cut that wait short: the
+handler returned while the worker was still being killed. Instead the call runs in a task of its
+own and the handler waits for it under a shielded scope, so a finished handler means a dead
+worker group, and the token carries the reason (client cancel or shutdown) into the journal.
+
+Why our own stdin reader: the SDK's reads stdin with a blocking readline in a worker thread that
+nothing can interrupt, so after a signal the server waited for the client's next line (measured:
+still running 3 s after SIGTERM with stdin open). ``_ClientLines`` waits for readability on the
+event loop instead, so stopping it, or cancelling it, takes effect at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import stat
+from collections.abc import AsyncIterator, Callable, Iterator
+from importlib import metadata
+from typing import Any, Final
+
+import anyio
+from loguru import logger
+from mcp import types
+from mcp.server import Server, ServerRequestContext
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+
+from sandbx_pool.cancel import CancelToken
+from sandbx_pool.config import Config
+from sandbx_pool.errors import SandbxPoolError
+from sandbx_pool.outcome import Outcome, Status
+from sandbx_pool.pool import Pool
+from sandbx_pool.signals import Stopper, run_until_signalled
+from sandbx_pool.tool_definitions import tool_definitions
+from workers.schemas import TOOL_ARGS
+
+#: Bytes read from stdin at a time; a request line longer than this is assembled from several.
+READ_CHUNK: Final = 64 * 1024
+
+#: What each non-ok status means, after the status itself, in the text a model reads.
+_STATUS_TEXT: Final[dict[Status, str]] = {
+    Status.ERROR: "the tool failed",
+    Status.DENIED: "refused by the sandbox policy; nothing was done",
+    Status.CANCELLED: "the call was cancelled",
+    Status.TIMEOUT: "the call ran out of time",
+    Status.OUTPUT_LIMIT: "the call produced more output than allowed",
+    Status.CRASHED: "the worker process died without answering",
+}
+_KILLED: Final = frozenset({Status.TIMEOUT, Status.OUTPUT_LIMIT, Status.CANCELLED})
+
+
+def outcome_result(outcome: Outcome) -> types.CallToolResult:
+    """The MCP result for an outcome: text for the model, structured data for programs.
+
+    ``ok``: the text is the file itself for ``read`` (a model reads source better raw than as a
+    JSON string full of escaped newlines) and compact JSON of the value for the other tools,
+    whose values are small records; ``structuredContent`` is the value. Any other status is a
+    tool error (``isError``), so the model sees it and can adapt, with the status first in the
+    text and the whole outcome as ``structuredContent``. ``_meta`` carries the journal's call id.
+    """
+    meta = {"sandbx-pool/call_id": outcome.call_id}
+    if outcome.status is Status.OK:
+        value = outcome.value or {}
+        text = _read_text(value) if outcome.tool == "read" else _json(value)
+        return types.CallToolResult(
+            content=[types.TextContent(text=text)], structured_content=value, _meta=meta
+        )
+    return types.CallToolResult(
+        content=[types.TextContent(text=error_text(outcome))],
+        structured_content=outcome.to_dict(),
+        is_error=True,
+        _meta=meta,
+    )
+
+
+def error_text(outcome: Outcome) -> str:
+    """``<status>: <what happened>``, e.g. ``timeout: timed out after 5 s; ... killed``."""
+    detail = outcome.error or outcome.reason or _STATUS_TEXT[outcome.status]
+    text = f"{outcome.status.value}: {detail}"
+    if outcome.status in _KILLED:
+        text += (
+            "; its processes were killed"
+            if outcome.started
+            else "; it was stopped before it started, nothing was done"
+        )
+    if outcome.quarantined:
+        text += (
+            f" (its worker is stuck in the kernel at {outcome.wchan or '?'} and is reaped later)"
+        )
+    return text
+
+
+def _read_text(value: dict[str, Any]) -> str:
+    content = str(value.get("content", ""))
+    if value.get("truncated"):  # the output cap stopped it: say so where the model looks
+        lines = value.get("lines")
+        content += f"\n[truncated at the output limit after {lines} lines; read on with offset]"
+    return content
+
+
+def _json(value: dict[str, Any]) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class ToolServer:
+    """The MCP handlers over one open Pool."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        #: Why calls still in flight are being stopped, once the server itself is ending.
+        self.closing: str | None = None
+        self._tools = [types.Tool.model_validate(d) for d in tool_definitions("mcp")]
+
+    def server(self) -> Server[Any]:
+        return Server(
+            "sandbx-pool",
+            version=_version(),
+            instructions=(
+                f"Tools for the workspace {self.pool.workspace}. Relative paths start there;"
+                " nothing outside it can be touched. Every call runs in a disposable process"
+                " that is killed, with everything it started, when the call is cancelled."
+            ),
+            on_list_tools=self.list_tools,
+            on_call_tool=self.call_tool,
+        )
+
+    async def list_tools(
+        self, ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=self._tools)
+
+    async def call_tool(
+        self, ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        if params.name not in TOOL_ARGS:
+            known = ", ".join(TOOL_ARGS)
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r} (known: {known})")
+        token = CancelToken()
+        call = asyncio.create_task(
+            self.pool.call(params.name, params.arguments or {}, cancel=token),
+            name=f"mcp-request-{ctx.request_id}",
+        )
+        try:
+            outcome = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            reason = self.closing or f"the MCP client cancelled request {ctx.request_id}"
+            token.cancel(reason)
+            # Bounded: the pool releases a call after its kill wait even if the worker is stuck.
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait([call])
+            if not call.cancelled() and call.exception() is None:
+                done = call.result()
+                logger.info(
+                    "request {}: {} {} ({})", ctx.request_id, done.tool, done.status, reason
+                )
+            raise
+        except SandbxPoolError as exc:  # the pool itself is gone: not the tool's failure
+            raise MCPError(types.INTERNAL_ERROR, f"sandbx-pool cannot run calls: {exc}") from exc
+        return outcome_result(outcome)
+
+
+class _ClientLines(anyio.AsyncFile[str]):
+    """The client's end of stdin as lines, read on the event loop rather than in a thread."""
+
+    def __init__(self, fd: int, on_eof: Callable[[], None]) -> None:
+        # The wrapped file is never read (only __aiter__ is used); it makes this an AsyncFile.
+        super().__init__(open(fd, encoding="utf-8", closefd=False))  # noqa: SIM115
+        self._fd = fd
+        self._on_eof = on_eof
+        self._stopped = False
+        # epoll refuses regular files, whose reads never block anyway (`mcp < requests.jsonl`).
+        self._never_blocks = stat.S_ISREG(os.fstat(fd).st_mode)
+
+    def stop(self) -> None:
+        """End the lines now, as if the client had closed stdin, but without ``on_eof``."""
+        self._stopped = True
+        anyio.notify_closing(self._fd)  # a wait_readable under way raises ClosedResourceError
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        pending = b""
+        while not self._stopped:
+            if not self._never_blocks:
+                try:
+                    await anyio.wait_readable(self._fd)
+                except anyio.ClosedResourceError:
+                    return
+            chunk = os.read(self._fd, READ_CHUNK)  # readable: returns what is there, or b"" at EOF
+            if not chunk:
+                self._on_eof()
+                if pending.strip():
+                    yield pending.decode("utf-8", errors="replace")
+                return
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                yield line.decode("utf-8", errors="replace")
+
+
+@contextlib.contextmanager
+def _client_stdio(
+    on_eof: Callable[[], None],
+) -> Iterator[tuple[_ClientLines, anyio.AsyncFile[str]]]:
+    """The client's stdin and stdout as the SDK transport's streams, on private descriptors.
+
+    Meanwhile fd 0 reads /dev/null and fd 1 writes to stderr (as the SDK's own stdio_server
+    arranges): done before the pool starts, the template and its workers inherit those, never
+    the wire, so nothing they do can steal the client's bytes or corrupt our output.
+    """
+    wire_in = _move_away(0, os.open(os.devnull, os.O_RDONLY))
+    wire_out = _move_away(1, os.dup(2))
+    try:
+        with open(wire_out, "w", encoding="utf-8", closefd=False) as out:
+            yield _ClientLines(wire_in, on_eof), anyio.wrap_file(out)
+    finally:
+        for fd, wire in ((0, wire_in), (1, wire_out)):
+            os.dup2(wire, fd)
+            os.close(wire)
+
+
+def _move_away(fd: int, replacement: int) -> int:
+    """Point ``fd`` at ``replacement``; return a private (close-on-exec) copy of what it was."""
+    wire = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.dup2(replacement, fd)
+    os.close(replacement)
+    return wire
+
+
+async def serve(stopper: Stopper, workspace: str, config: Config, journal: str | None) -> int:
+    """Serve MCP on stdin/stdout until the client closes stdin or a signal stops us."""
+    pool = stopper.watch(Pool(workspace, journal=journal, config=config))
+    tools = ToolServer(pool)
+
+    def client_left() -> None:
+        tools.closing = "MCP server shutting down: the client closed stdin"
+
+    with _client_stdio(client_left) as (client_in, client_out):
+
+        async def stop_on_signal() -> None:
+            await stopper.stopping.wait()  # the Stopper is closing the pool, killing every call
+            await pool.close()  # so each call in flight is answered "cancelled" first;
+            client_in.stop()  # then we end as at EOF
+
+        async with pool, anyio.create_task_group() as serving:
+            serving.start_soon(stop_on_signal)
+            async with stdio_server(client_in, client_out) as (reader, writer):
+                logger.info("serving MCP on stdio for {}", pool.workspace)
+                server = tools.server()
+                await server.run(reader, writer, server.create_initialization_options())
+            serving.cancel_scope.cancel()
+    return 0
+
+
+def run(workspace: str, config: Config, journal: str | None) -> int:
+    """The ``mcp`` command: 0 when the client closed stdin, 128 + N after signal N."""
+    try:
+        return run_until_signalled(lambda stopper: serve(stopper, workspace, config, journal))
+    except SandbxPoolError as exc:
+        logger.error("sandbx-pool mcp: {}", exc)
+        return 1
+
+
+def _version() -> str:
+    try:
+        return metadata.version("sandbx-pool")
+    except metadata.PackageNotFoundError:
+        return "0"
