@@ -8,7 +8,8 @@ definition needs from the same classes.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import shlex
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -29,6 +30,14 @@ class ReadArgs(ToolArgs):
     path: Path
     offset: Annotated[int, Meta(ge=0, description="First line to return, 0-based.")] = 0
     limit: Annotated[int | None, Meta(description="Most lines to return (None: all).")] = None
+    # Integrations (Inspect's read_file) need a file's exact bytes: binary, CRLF, invalid UTF-8.
+    encoding: Annotated[
+        Literal["utf-8", "bytes"],
+        Meta(
+            description="'bytes': the whole file's raw bytes in `data` (offset and limit must "
+            "stay unset; `truncated` past the output cap). 'utf-8': lines of text in `content`."
+        ),
+    ] = "utf-8"
 
 
 class WriteArgs(ToolArgs):
@@ -84,6 +93,28 @@ class BashArgs(ToolArgs):
     """Run a shell command with bash -c in a scrubbed environment."""
 
     command: Annotated[str, Meta(min_length=1, description="The command line.")]
+    # For integrations that hold an argv (Inspect's exec): run it without a shell. ``command``
+    # must then be shlex.join(argv), so the gate, the journal and a reader all see what runs.
+    argv: Annotated[
+        list[str] | None,
+        Meta(description="Run this argv directly, no shell; command must be shlex.join(argv)."),
+    ] = None
+    stdin: Annotated[str | None, Meta(description="Text for the command's stdin.")] = None
+    stdin_bytes: Annotated[
+        bytes | None, Meta(description="Bytes for stdin (base64 in JSON); not with stdin.")
+    ] = None
+    user: Annotated[
+        str | None, Meta(description="Run as this user name or uid (the pool must be root).")
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.argv is not None:
+            if not self.argv:
+                raise ValueError("argv must not be empty")
+            if self.command != shlex.join(self.argv):
+                raise ValueError("command must be shlex.join(argv) when argv is given")
+        if self.stdin is not None and self.stdin_bytes is not None:
+            raise ValueError("give stdin or stdin_bytes, not both")
 
 
 TOOL_ARGS: dict[str, type[ToolArgs]] = {

@@ -23,7 +23,9 @@ its own PID namespace, so orphans of bash become its children and kill_descendan
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import pwd
 import selectors
 import subprocess
 from typing import Any
@@ -56,21 +58,58 @@ class _Output:
         return b"".join(self.chunks[stream]).decode("utf-8", errors="replace")
 
 
+class _ExecFailed(Exception):
+    """``argv[0]`` could not be executed: reported as a shell would (126 or 127), not raised."""
+
+    def __init__(self, exc: OSError, program: str) -> None:
+        super().__init__(f"{program}: {exc.strerror or exc}")
+        self.code = errno.errorcode.get(exc.errno or 0, "EIO")
+        self.exit_code = 127 if exc.errno == errno.ENOENT else 126
+
+
+def _identity(name: str, env: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Popen's user/group/extra_groups for ``name`` (or a uid), and env as runuser sets it."""
+    try:
+        entry = pwd.getpwuid(int(name)) if name.isdecimal() else pwd.getpwnam(name)
+    except (KeyError, ValueError):
+        raise ToolError(f"unknown user {name!r}") from None
+    if os.geteuid() != 0 and entry.pw_uid != os.geteuid():
+        raise ToolError(f"cannot run as user {name!r}: the worker is not root")
+    groups = os.getgrouplist(entry.pw_name, entry.pw_gid)
+    switched = {**env, "HOME": entry.pw_dir, "USER": entry.pw_name, "LOGNAME": entry.pw_name}
+    tmpdir = env.get("TMPDIR")
+    if tmpdir and os.geteuid() == 0:
+        # The call's private TMPDIR was made for the worker's user; hand it to the command's.
+        with contextlib.suppress(OSError):
+            os.chown(tmpdir, entry.pw_uid, entry.pw_gid)
+    ids = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": groups}
+    return ids, switched
+
+
 def _start(args: BashArgs, ctx: ExecutionContext) -> subprocess.Popen[bytes]:
     # The cwd is confined like any path: a cwd that is (or passes through) a symlink leading
     # out of the workspace is refused, not silently used.
     cwd = resolve(ctx, ".")
+    argv = args.argv if args.argv is not None else ["bash", "-c", args.command]
+    ids: dict[str, Any] = {}
+    env = ctx.env
+    if args.user is not None:
+        ids, env = _identity(args.user, env)
+    has_input = args.stdin is not None or args.stdin_bytes is not None
     try:
         return subprocess.Popen(
-            ["bash", "-c", args.command],
+            argv,
             cwd=cwd,
-            env=ctx.env,
-            stdin=subprocess.DEVNULL,
+            env=env,
+            stdin=subprocess.PIPE if has_input else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            **ids,
         )
     except OSError as exc:
-        raise ToolError(f"cannot start bash in {cwd}: {exc.strerror or exc}") from exc
+        if args.argv is not None and exc.filename in (None, argv[0]):
+            raise _ExecFailed(exc, argv[0]) from exc
+        raise ToolError(f"cannot start {argv[0]} in {cwd}: {exc.strerror or exc}") from exc
 
 
 def _exit_status(returncode: int) -> tuple[int, int | None]:
@@ -80,8 +119,8 @@ def _exit_status(returncode: int) -> tuple[int, int | None]:
     return returncode, None
 
 
-def _pump(proc: subprocess.Popen[bytes], output: _Output) -> None:
-    """Collect output until bash has exited and both pipes are at EOF.
+def _pump(proc: subprocess.Popen[bytes], output: _Output, stdin: bytes | None = None) -> None:
+    """Feed ``stdin`` and collect output until bash has exited and both pipes are at EOF.
 
     Raises OutputLimitExceeded as soon as the output passes the cap; the caller kills.
     """
@@ -93,8 +132,13 @@ def _pump(proc: subprocess.Popen[bytes], output: _Output) -> None:
             selector.register(proc.stdout, selectors.EVENT_READ, "stdout")
             selector.register(proc.stderr, selectors.EVENT_READ, "stderr")
             selector.register(pidfd, selectors.EVENT_READ, None)
+            feeder = _Feeder(proc, stdin, selector) if proc.stdin is not None else None
             while selector.get_map():
                 for key, _ in selector.select():
+                    if key.data == "stdin":
+                        assert feeder is not None
+                        feeder.feed()
+                        continue
                     if key.data is None:
                         selector.unregister(pidfd)
                         # Readable pidfd: bash is a zombie now, so wait() returns at once.
@@ -114,6 +158,36 @@ def _pump(proc: subprocess.Popen[bytes], output: _Output) -> None:
         os.close(pidfd)
 
 
+class _Feeder:
+    """Writes stdin as the pipe takes it, from the same loop that drains stdout and stderr:
+    a command that writes before it has read all its input must not deadlock against us."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], data: bytes | None, selector: selectors.BaseSelector
+    ) -> None:
+        assert proc.stdin is not None
+        self.pipe = proc.stdin
+        self.view = memoryview(data or b"")
+        self.selector = selector
+        os.set_blocking(self.pipe.fileno(), False)
+        if self.view:
+            selector.register(self.pipe, selectors.EVENT_WRITE, "stdin")
+        else:
+            self.pipe.close()  # empty input: EOF at once
+
+    def feed(self) -> None:
+        try:
+            written = os.write(self.pipe.fileno(), self.view[:_READ_BYTES])
+        except BlockingIOError:
+            return
+        except BrokenPipeError:  # the command stopped reading: the rest is not wanted
+            written = len(self.view)
+        self.view = self.view[written:]
+        if not self.view:
+            self.selector.unregister(self.pipe)
+            self.pipe.close()
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     """Kill bash (if still running) and everything it started; reap all of it."""
     if proc.returncode is None:
@@ -126,17 +200,31 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
-    """Run the command; any exit code is an ``ok`` result, carried in ``exit_code``."""
-    proc = _start(args, ctx)
-    output = _Output(ctx.max_output_bytes)
+    """Run the command; any exit code is an ``ok`` result, carried in ``exit_code``.
+
+    With ``argv``, a program that cannot be executed is an ``ok`` result too, as a shell
+    reports it (126, or 127 when not found), with ``exec_error`` naming the errno.
+    """
     try:
-        _pump(proc, output)
+        proc = _start(args, ctx)
+    except _ExecFailed as failed:
+        return {
+            "exit_code": failed.exit_code,
+            "signal": None,
+            "stdout": "",
+            "stderr": f"{failed}\n",
+            "exec_error": failed.code,
+        }
+    output = _Output(ctx.max_output_bytes)
+    stdin = args.stdin.encode("utf-8") if args.stdin is not None else args.stdin_bytes
+    try:
+        _pump(proc, output, stdin)
     finally:
         # Normally a no-op by now (bash reaped, leftovers killed); after an error or the
         # output limit it is the kill. Either way nothing outlives the call.
         _stop(proc)
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None and not pipe.closed:
                 pipe.close()
     assert proc.returncode is not None
     exit_code, signal_number = _exit_status(proc.returncode)

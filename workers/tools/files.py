@@ -171,12 +171,16 @@ def read_file(args: ReadArgs, ctx: ExecutionContext) -> dict[str, Any]:
     the cap is returned (``lines`` 1, ``truncated`` True) rather than nothing.
     """
     real = resolve(ctx, args.path)
+    if args.encoding == "bytes" and (args.offset or args.limit is not None):
+        raise ToolError("offset and limit count lines: they do not apply to encoding 'bytes'")
     try:
         f = _buffered(os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
     except OSError as exc:
         raise os_error(args.path, exc) from exc
     with f:
         check_opened(ctx, f.fileno(), args.path)
+        if args.encoding == "bytes":
+            return _read_bytes(f, args.path, ctx.max_output_bytes)
         try:
             # One raw read fills the buffer, so peek sees the first SNIFF_BYTES of a file.
             if is_binary(f.peek(SNIFF_BYTES)):
@@ -220,6 +224,16 @@ def read_file(args: ReadArgs, ctx: ExecutionContext) -> dict[str, Any]:
         "truncated": truncated,
         "invalid_utf8": invalid,
     }
+
+
+def _read_bytes(f: io.BufferedReader, path: str, cap: int) -> dict[str, Any]:
+    """The file's raw bytes, at most ``cap`` of them; ``size`` is the whole file's."""
+    try:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(cap + 1)
+    except OSError as exc:
+        raise os_error(path, exc) from exc
+    return {"data": data[:cap], "size": max(size, len(data)), "truncated": len(data) > cap}
 
 
 # -- write and edit ----------------------------------------------------------------------------

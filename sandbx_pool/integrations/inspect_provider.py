@@ -1,0 +1,405 @@
+"""The Inspect AI sandbox provider ``sandbx``: every exec, read and write runs through a Pool.
+
+    Inspect eval
+      task_init(config) ----------> one Pool per sandbox config, its journal, a task directory
+      sample_init ----------------> a sample directory under it (mktemp -d, through the pool)
+        exec(cmd, input, ...) ----> pool.call("bash", {argv, stdin, user}): no shell, own worker
+        read_file(file, text) ----> pool.call("read", {path, encoding: "bytes"})
+        write_file(file, data) ---> pool.call("bash", {argv: [python, WRITE_SCRIPT, file]})
+      sample_cleanup -------------> rm -rf the sample directory (through the pool)
+      task_cleanup ---------------> rm -rf the task directory, close the Pool
+
+Paths follow Inspect's local provider: relative ones are relative to the sample's directory,
+absolute ones mean the host's. So the pool's workspace is ``/`` by default, and what keeps a
+sample in bounds is the user it runs as (``user`` in the config), not path confinement; a
+narrower ``workspace`` confines every path to it instead (absolute paths outside are refused).
+
+Inspect's semantics mapped from outcomes, at this one boundary: status ``timeout`` raises
+TimeoutError (the worker's whole process group is already dead); ``output_limit``, or a stream
+over Inspect's exec limit, raises OutputLimitExceededError; a file error raises the OSError
+subclass Inspect names (FileNotFoundError, IsADirectoryError, PermissionError) with the path.
+The coordinator never touches the filesystem itself: even the sample directories are made
+and removed by workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shlex
+import sys
+from typing import Any, Literal, overload
+
+from inspect_ai.util import (
+    ExecResult,
+    OutputLimitExceededError,
+    SandboxEnvironment,
+    SandboxEnvironmentConfigType,
+    SandboxEnvironmentLimits,
+    SandboxUnavailableError,
+    SandboxUserUnsupportedError,
+    sandboxenv,
+)
+from loguru import logger
+from pydantic import BaseModel, ConfigDict
+
+from sandbx_pool.config import load_config
+from sandbx_pool.outcome import Outcome, Status
+from sandbx_pool.pool import Pool
+from workers.protocol import MAX_MESSAGE_BYTES
+
+#: The pool's output cap: the largest file read_file can return in one message (the rest of a
+#: message is framing). Inspect's own read limit (100 MiB) is higher; a file between the two is
+#: refused with OutputLimitExceededError naming this cap.
+TRANSPORT_BYTES = MAX_MESSAGE_BYTES - 4 * 1024 * 1024
+
+#: Seconds allowed to the provider's own housekeeping calls (mkdir, rm -rf, writes).
+HOUSEKEEPING_TIMEOUT_S = 120.0
+
+#: Writes a file atomically from stdin, as the calling user: parents made, the old file's mode
+#: kept, a temp file renamed over it. Errors go to stderr as "ERRNO message" and exit 1.
+WRITE_SCRIPT = """
+import errno, os, stat, sys, tempfile
+path = sys.argv[1]
+try:
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    exists = os.path.exists(path)
+    if exists and not os.access(path, os.W_OK):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+    umask = os.umask(0o22)
+    os.umask(umask)
+    mode = stat.S_IMODE(os.stat(path).st_mode) if exists else 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=".sandbx-write-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            while chunk := sys.stdin.buffer.read(1 << 20):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+except OSError as exc:
+    sys.stderr.write(f"{errno.errorcode.get(exc.errno or 0, 'EIO')} {exc.strerror or exc}")
+    sys.exit(1)
+"""
+
+#: Our tools' error messages and the exceptions Inspect expects for them.
+_FILE_ERRORS: tuple[tuple[str, type[OSError], int], ...] = (
+    (" not found", FileNotFoundError, errno.ENOENT),
+    (" is a directory", IsADirectoryError, errno.EISDIR),
+    ("permission denied", PermissionError, errno.EACCES),
+    ("not a directory", NotADirectoryError, errno.ENOTDIR),
+)
+_ERRNO_ERRORS: dict[str, type[OSError]] = {
+    "ENOENT": FileNotFoundError,
+    "EISDIR": IsADirectoryError,
+    "EACCES": PermissionError,
+    "EPERM": PermissionError,
+    "EROFS": PermissionError,
+    "ENOTDIR": NotADirectoryError,
+}
+
+
+class SandbxConfig(BaseModel):
+    """The provider's settings: ``Task(sandbox=("sandbx", SandbxConfig(...)))``.
+
+    A plain string config is read as the path of a sandbx-pool TOML file (configs/).
+    """
+
+    # Frozen and hashable: Inspect uses the config as a key.
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    workspace: str = "/"  # what every path is confined to; "/" is Inspect's local model
+    root: str = "/tmp"  # where each task's directory (holding the sample directories) is made
+    user: str | None = None  # who exec and write_file run as when the caller names nobody
+    journal: str | None = None  # the task's journal (None: a fresh one, logged)
+    workers: int | None = None  # parallel calls at most (None: the pool's default)
+    pool_config: str | None = None  # a sandbx-pool TOML file: env, limits, gate, sandbox
+
+
+class _Task:
+    """One pool, its journal and its directory, shared by the samples of a task."""
+
+    def __init__(self, settings: SandbxConfig, pool: Pool, directory: str) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.directory = directory
+
+    @property
+    def journal_path(self) -> str | None:
+        return self.pool.journal.path if self.pool.journal is not None else None
+
+
+_tasks: dict[str, _Task] = {}
+_tasks_lock: asyncio.Lock | None = None
+
+
+def _settings(config: SandboxEnvironmentConfigType | None) -> SandbxConfig:
+    if config is None:
+        return SandbxConfig()
+    if isinstance(config, SandbxConfig):
+        return config
+    if isinstance(config, str):
+        return SandbxConfig(pool_config=config)
+    return SandbxConfig.model_validate(config.model_dump())
+
+
+def _key(settings: SandbxConfig) -> str:
+    return settings.model_dump_json()
+
+
+async def _open_task(settings: SandbxConfig) -> _Task:
+    config = load_config(settings.pool_config).override(calls={"max_output_bytes": TRANSPORT_BYTES})
+    pool = Pool(
+        settings.workspace, workers=settings.workers, journal=settings.journal, config=config
+    )
+    await pool.start()
+    try:
+        template = os.path.join(settings.root, f"sandbx-inspect-{os.getpid()}-XXXXXX")
+        made = await _check(pool, ["mktemp", "-d", template], cwd=settings.workspace)
+        directory = made.stdout.strip()
+        # Traversable, not listable, by the sample user: each sample sees its own directory.
+        await _check(pool, ["chmod", "711", directory], cwd=settings.workspace)
+    except BaseException:
+        await pool.close()
+        raise
+    if settings.journal is None and pool.journal is not None:
+        logger.info("sandbx: task journal {}", pool.journal.path)
+    return _Task(settings, pool, directory)
+
+
+async def task_for(config: SandboxEnvironmentConfigType | None) -> _Task:
+    """The task (pool) for ``config``, opened on first use."""
+    global _tasks_lock
+    if _tasks_lock is None:
+        _tasks_lock = asyncio.Lock()
+    settings = _settings(config)
+    async with _tasks_lock:
+        task = _tasks.get(_key(settings))
+        if task is None:
+            task = _tasks[_key(settings)] = await _open_task(settings)
+        return task
+
+
+async def _check(
+    pool: Pool, argv: list[str], *, cwd: str, user: str | None = None
+) -> ExecResult[str]:
+    """Run a housekeeping command; raise RuntimeError when it does not succeed."""
+    result = await _exec(pool, argv, cwd=cwd, user=user, timeout=HOUSEKEEPING_TIMEOUT_S)
+    if not result.success:
+        raise RuntimeError(f"sandbx: {shlex.join(argv)} failed: {result.stderr.strip()}")
+    return result
+
+
+async def _exec(
+    pool: Pool,
+    argv: list[str],
+    *,
+    cwd: str,
+    input: str | bytes | None = None,
+    env: dict[str, str] | None = None,
+    user: str | None = None,
+    timeout: float | None = None,  # noqa: ASYNC109 (a kill deadline passed to the pool)
+) -> ExecResult[str]:
+    if not argv:
+        raise ValueError("cmd must name a program")
+    args: dict[str, Any] = {"command": shlex.join(argv), "argv": list(argv)}
+    if isinstance(input, str):
+        args["stdin"] = input
+    elif input is not None:
+        args["stdin_bytes"] = bytes(input)
+    if user is not None:
+        args["user"] = user
+    outcome = await pool.call("bash", args, timeout=timeout, cwd=cwd, env=env)
+    return _exec_result(outcome, user)
+
+
+def _exec_result(outcome: Outcome, user: str | None) -> ExecResult[str]:
+    if outcome.status is Status.TIMEOUT:
+        raise TimeoutError(f"command timed out ({outcome.reason})")
+    if outcome.status is Status.OUTPUT_LIMIT:
+        raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR, None)
+    if outcome.status is Status.DENIED:
+        raise PermissionError(errno.EACCES, outcome.error or "denied")
+    if outcome.status is Status.ERROR:
+        message = outcome.error or "failed"
+        if user is not None and "the worker is not root" in message:
+            raise SandboxUserUnsupportedError(message)
+        # Unknown user, missing cwd...: the command did not run; say why where it would.
+        return ExecResult(success=False, returncode=1, stdout="", stderr=message)
+    if outcome.status is not Status.OK or outcome.value is None:
+        raise SandboxUnavailableError(f"sandbx: call {outcome.status}: {outcome.error}")
+    value = outcome.value
+    if value.get("exec_error") in ("EACCES", "EPERM"):
+        raise PermissionError(errno.EACCES, value["stderr"].strip())
+    limit = SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE
+    for stream in ("stdout", "stderr"):
+        if len(value[stream].encode("utf-8", errors="replace")) > limit:
+            tail = value[stream][-limit:]
+            raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE_STR, tail)
+    code = int(value["exit_code"])
+    return ExecResult(
+        success=code == 0, returncode=code, stdout=value["stdout"], stderr=value["stderr"]
+    )
+
+
+def _file_error(outcome: Outcome, file: str) -> OSError:
+    message = outcome.error or str(outcome.status)
+    if outcome.status is Status.DENIED:
+        return PermissionError(errno.EACCES, message, file)
+    for marker, kind, code in _FILE_ERRORS:
+        if marker in message.lower():
+            return kind(code, os.strerror(code), file)
+    return OSError(errno.EIO, message, file)
+
+
+@sandboxenv(name="sandbx")
+class SandbxSandboxEnvironment(SandboxEnvironment):
+    """One sample's view of its task's pool: its own working directory, every call a worker."""
+
+    def __init__(self, task: _Task, directory: str) -> None:
+        super().__init__()
+        self.task = task
+        self.directory = directory
+
+    # -- lifecycle (class methods Inspect calls) -------------------------------------------
+
+    @classmethod
+    async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
+        await task_for(config)
+
+    @classmethod
+    async def sample_init(
+        cls, task_name: str, config: SandboxEnvironmentConfigType | None, metadata: dict[str, str]
+    ) -> dict[str, SandboxEnvironment]:
+        task = await task_for(config)
+        root = task.settings.workspace
+        made = await _check(
+            task.pool, ["mktemp", "-d", os.path.join(task.directory, "sample-XXXXXX")], cwd=root
+        )
+        directory = made.stdout.strip()
+        if task.settings.user is not None:
+            await _check(task.pool, ["chown", "--", task.settings.user, directory], cwd=root)
+        return {"default": cls(task, directory)}
+
+    @classmethod
+    async def sample_cleanup(
+        cls,
+        task_name: str,
+        config: SandboxEnvironmentConfigType | None,
+        environments: dict[str, SandboxEnvironment],
+        interrupted: bool,
+    ) -> None:
+        for environment in environments.values():
+            sample = environment.as_type(SandbxSandboxEnvironment)
+            await _check(
+                sample.task.pool,
+                ["rm", "-rf", "--", sample.directory],
+                cwd=sample.task.settings.workspace,
+            )
+
+    @classmethod
+    async def task_cleanup(
+        cls, task_name: str, config: SandboxEnvironmentConfigType | None, cleanup: bool
+    ) -> None:
+        task = _tasks.pop(_key(_settings(config)), None)
+        if task is None:
+            return
+        try:
+            if cleanup:
+                await _check(
+                    task.pool, ["rm", "-rf", "--", task.directory], cwd=task.settings.workspace
+                )
+            else:
+                logger.info("sandbx: left task directory {}", task.directory)
+        finally:
+            # Whatever happened, no worker outlives the task.
+            await task.pool.close()
+
+    @classmethod
+    async def cli_cleanup(cls, id: str | None) -> None:
+        """Nothing to do: a task's workers die with its process (the template's parent-death
+        signal), and its directory goes with task_cleanup."""
+
+    @classmethod
+    def config_deserialize(cls, config: dict[str, Any]) -> BaseModel:
+        return SandbxConfig(**config)
+
+    # -- the three operations --------------------------------------------------------------
+
+    async def exec(
+        self,
+        cmd: list[str],
+        input: str | bytes | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        timeout: int | None = None,  # noqa: ASYNC109 (Inspect's signature)
+        timeout_retry: bool = True,
+        concurrency: bool = True,
+    ) -> ExecResult[str]:
+        # timeout_retry is not honoured: re-running a command with side effects is the
+        # caller's decision. concurrency: the pool's worker count already bounds it.
+        return await _exec(
+            self.task.pool,
+            cmd,
+            cwd=self._path(cwd) if cwd is not None else self.directory,
+            input=input,
+            env=env,
+            user=user if user is not None else self.task.settings.user,
+            timeout=timeout,
+        )
+
+    async def write_file(self, file: str, contents: str | bytes) -> None:
+        data = contents.encode("utf-8") if isinstance(contents, str) else contents
+        argv = [sys.executable, "-I", "-S", "-c", WRITE_SCRIPT, self._path(file)]
+        result = await _exec(
+            self.task.pool,
+            argv,
+            cwd=self.directory,
+            input=data,
+            user=self.task.settings.user,
+            timeout=HOUSEKEEPING_TIMEOUT_S,
+        )
+        if not result.success:
+            code, _, message = result.stderr.partition(" ")
+            kind = _ERRNO_ERRORS.get(code, OSError)
+            raise kind(getattr(errno, code, errno.EIO), message or result.stderr, file)
+
+    @overload
+    async def read_file(self, file: str, text: Literal[True] = True) -> str: ...
+
+    @overload
+    async def read_file(self, file: str, text: Literal[False]) -> bytes: ...
+
+    async def read_file(self, file: str, text: bool = True) -> str | bytes:
+        outcome = await self.task.pool.call(
+            "read",
+            {"path": self._path(file), "encoding": "bytes"},
+            timeout=HOUSEKEEPING_TIMEOUT_S,
+            cwd=self.directory,
+        )
+        if outcome.status is Status.TIMEOUT:
+            raise TimeoutError(f"reading {file} timed out")
+        if outcome.status is Status.OUTPUT_LIMIT:
+            raise OutputLimitExceededError(f"{TRANSPORT_BYTES} bytes", None)
+        if outcome.status is not Status.OK or outcome.value is None:
+            raise _file_error(outcome, file)
+        if outcome.value["size"] > SandboxEnvironmentLimits.MAX_READ_FILE_SIZE:
+            raise OutputLimitExceededError(SandboxEnvironmentLimits.MAX_READ_FILE_SIZE_STR, None)
+        if outcome.value["truncated"]:
+            raise OutputLimitExceededError(f"{TRANSPORT_BYTES} bytes", None)
+        data: bytes = outcome.value["data"]
+        # newline="" semantics: CRLF stays as it is; invalid UTF-8 raises UnicodeDecodeError.
+        return data.decode("utf-8") if text else data
+
+    def _path(self, path: str) -> str:
+        """A path as Inspect's local provider reads it: relative to the sample's directory."""
+        return os.path.join(self.directory, path)

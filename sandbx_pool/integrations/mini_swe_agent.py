@@ -1,0 +1,198 @@
+"""A mini-swe-agent environment whose every command runs in a sandbx-pool worker.
+
+Select it by dotted path, with no change to mini-swe-agent::
+
+    environment:
+      environment_class: sandbx_pool.integrations.mini_swe_agent.SandbxEnvironment
+      cwd: /path/to/repo
+      timeout: 60
+
+mini-swe-agent is synchronous; the Pool is asyncio. The environment therefore owns a private
+event loop on a thread of its own, started with the environment and stopped by ``close()``:
+
+    agent thread --execute(action)--> run_coroutine_threadsafe(pool.call("bash", ...))
+                                           |
+                                  loop thread: Pool --> a disposable worker per command
+
+Both protocols are accepted, told apart by the action's type:
+
+* v2, ``execute(action: dict, cwd="", *, timeout=None) -> dict``: ``output`` (stdout, then
+  stderr), ``returncode``, ``exception_info``. A timeout is returned (returncode -1), never
+  raised; its whole process tree is dead by then. Output whose first line is the submission
+  sentinel, from a command that exited 0, raises ``Submitted`` as the local environment does.
+* v1, ``execute(command: str, cwd="", *, timeout=None) -> dict``: ``output`` and
+  ``returncode``; a timeout raises ``subprocess.TimeoutExpired`` (v1 agents catch it) and the
+  agent, not the environment, looks for the sentinel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import subprocess
+import threading
+from typing import Any
+
+from minisweagent.exceptions import Submitted
+from minisweagent.utils.serialize import recursive_merge
+from pydantic import BaseModel
+
+from sandbx_pool.outcome import Outcome, Status
+from sandbx_pool.pool import Pool
+
+#: The first line of output that means "the task is done; the rest is the submission".
+SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+#: How long close() waits for the pool to shut down before leaving the loop thread behind.
+CLOSE_TIMEOUT_S = 30.0
+
+
+class SandbxEnvironmentConfig(BaseModel):
+    cwd: str = ""  # default working directory (default: the workspace)
+    workspace: str = ""  # what every path is confined to (default: cwd, else the current dir)
+    env: dict[str, str] = {}  # added to each command's scrubbed environment
+    timeout: int = 30  # seconds, when execute() is given none
+    workers: int | None = None  # parallel commands at most
+    journal: str | None = None  # the journal of every command (None: a fresh one, logged)
+    pool_config: str | None = None  # a sandbx-pool TOML file (gate, limits, sandbox...)
+
+
+class SandbxEnvironment:
+    def __init__(self, *, config_class: type = SandbxEnvironmentConfig, **kwargs: Any) -> None:
+        """Start a Pool for this environment. See ``SandbxEnvironmentConfig`` for kwargs."""
+        self.config = config_class(**kwargs)
+        self.workspace = os.path.abspath(self.config.workspace or self.config.cwd or os.getcwd())
+        self._loop = asyncio.new_event_loop()
+        # A daemon, so that an environment nobody closed cannot keep the interpreter alive;
+        # its workers die with us anyway (the template's parent-death signal).
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="sandbx-mini-swe-agent", daemon=True
+        )
+        self._thread.start()
+        self.pool = Pool(
+            self.workspace,
+            workers=self.config.workers,
+            journal=self.config.journal,
+            config=self.config.pool_config,
+        )
+        try:
+            self._run(self.pool.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    # -- mini-swe-agent's Environment protocol -----------------------------------------------
+
+    def execute(
+        self,
+        action: dict[str, Any] | str,
+        cwd: str = "",
+        *,
+        timeout: int | None = None,
+    ) -> dict[str, Any]:
+        """Run one command in its own worker; see the module docstring for both protocols."""
+        if isinstance(action, str):
+            return self._execute_v1(action, cwd, timeout)
+        output = self._execute_v2(str(action.get("command", "")), cwd, timeout)
+        self._check_finished(output)
+        return output
+
+    def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:
+        # Not os.environ, unlike the local environment: the commands never see it either.
+        merged: dict[str, Any] = recursive_merge(
+            self.config.model_dump(), platform.uname()._asdict(), kwargs
+        )
+        return merged
+
+    def serialize(self) -> dict[str, Any]:
+        return {
+            "info": {
+                "config": {
+                    "environment": self.config.model_dump(mode="json"),
+                    "environment_type": f"{type(self).__module__}.{type(self).__name__}",
+                }
+            }
+        }
+
+    def close(self) -> None:
+        """Close the pool (no worker outlives it) and stop the loop thread. Idempotent."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self.pool.close(), timeout=CLOSE_TIMEOUT_S)
+        finally:
+            self._stop_loop()
+
+    cleanup = close  # the name mini-swe-agent's container environments use
+
+    def __enter__(self) -> SandbxEnvironment:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _call(self, command: str, cwd: str, timeout: int | None) -> tuple[Outcome, float]:
+        seconds = float(timeout or self.config.timeout)
+        args: dict[str, Any] = {"command": command}
+        call = self.pool.call(
+            "bash",
+            args,
+            timeout=seconds,
+            cwd=cwd or self.config.cwd or None,
+            env=self.config.env or None,
+        )
+        return self._run(call), seconds
+
+    def _execute_v2(self, command: str, cwd: str, timeout: int | None) -> dict[str, Any]:
+        outcome, seconds = self._call(command, cwd, timeout)
+        if outcome.status is Status.OK and outcome.value is not None:
+            value = outcome.value
+            return {
+                "output": value["stdout"] + value["stderr"],
+                "returncode": value["exit_code"],
+                "exception_info": "",
+            }
+        if outcome.status is Status.TIMEOUT:
+            problem = f"Command '{command}' timed out after {seconds:g} seconds"
+            kind = "TimeoutExpired"
+        else:
+            problem = f"{outcome.status}: {outcome.error or outcome.reason or 'no detail'}"
+            kind = f"sandbx.{outcome.status}"
+        return {
+            "output": "",
+            "returncode": -1,
+            "exception_info": f"An error occurred while executing the command: {problem}",
+            "extra": {"exception_type": kind, "exception": problem, "call_id": outcome.call_id},
+        }
+
+    def _execute_v1(self, command: str, cwd: str, timeout: int | None) -> dict[str, Any]:
+        outcome, seconds = self._call(command, cwd, timeout)
+        if outcome.status is Status.TIMEOUT:
+            raise subprocess.TimeoutExpired(command, seconds, output="")
+        if outcome.status is Status.OK and outcome.value is not None:
+            value = outcome.value
+            return {"output": value["stdout"] + value["stderr"], "returncode": value["exit_code"]}
+        return {"output": f"{outcome.status}: {outcome.error or ''}", "returncode": -1}
+
+    def _check_finished(self, output: dict[str, Any]) -> None:
+        lines = output.get("output", "").lstrip().splitlines(keepends=True)
+        if lines and lines[0].strip() == SUBMIT_SENTINEL and output["returncode"] == 0:
+            submission = "".join(lines[1:])
+            raise Submitted(
+                {
+                    "role": "exit",
+                    "content": submission,
+                    "extra": {"exit_status": "Submitted", "submission": submission},
+                }
+            )
+
+    def _run(self, coroutine: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
