@@ -36,6 +36,9 @@ from workers.protocol import (
 from workers.schemas import UnknownTool, parse_args
 from workers.tools import WORKER_ACTIONS
 
+#: Exit status of a worker the coordinator stopped with SIGTERM (it sends no Result).
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
 #: How long a finished worker keeps trying to hand its Result to a coordinator that is gone.
 SEND_LINGER_MS = 2000
 
@@ -175,8 +178,9 @@ def warm_up() -> None:
 def serve(token: str, endpoint: str) -> None:
     """Connect, take one call, answer it. Returns when the Result is handed to ZeroMQ."""
     # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it
-    # to report what the command did. Python handlers reset on exec, so bash sees the default.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    # and let the command end. Python handlers reset on exec, so bash sees the default.
+    terminated: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     # One short call: the collector would only copy-on-write the template's pages.
     gc.disable()
     context = zmq.Context(io_threads=1)
@@ -197,6 +201,12 @@ def serve(token: str, endpoint: str) -> None:
     else:
         result = run_call(confinement.call)
     containment.kill_descendants()
+    if terminated:
+        # The coordinator is stopping this call and will not read a Result: what it waits
+        # for is our exit, so skip the answer and the socket teardown.
+        if confinement is not None:
+            confinement.release()
+        os._exit(EXIT_TERMINATED)
     # The secret proves to the coordinator that this Result comes from the worker it chose.
     sock.send(encoder.encode(msgspec.structs.replace(result, secret=call.secret)))
     if confinement is not None:
