@@ -76,7 +76,8 @@ def in_own_pid_namespace() -> bool:
     return os.getpid() == 1
 
 
-def _children() -> list[int]:
+def children() -> list[int]:
+    """Pids of this process's children (every thread's), from /proc."""
     pids: list[int] = []
     with contextlib.suppress(FileNotFoundError):
         for tid in os.listdir("/proc/self/task"):
@@ -116,15 +117,15 @@ def kill_descendants() -> None:
                 return
     # Subreaper: orphans of our descendants are our children; kill until none is left.
     while True:
-        children = _children()
-        if not children:
+        pids = children()
+        if not pids:
             reap_all()
             return
-        for pid in children:
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        for pid in children:
+        for pid in pids:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)

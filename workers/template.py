@@ -8,9 +8,10 @@ has already imported the runtime and every tool.
     coordinator --Spawn(n)--> template --fork--> worker (setsid, PDEATHSIG, own PID namespace)
     coordinator <--Spawned(token, pid) / Exited(pid, returncode)-- template (reaps on SIGCHLD)
 
-Death chain: the template dies with the coordinator's forking thread (PDEATHSIG); each worker
-dies with the template (PDEATHSIG); everything a worker started dies with the worker (its PID
-namespace, or, without one, the subreaper sweeps). Exits are observed on SIGCHLD, through the
+Death chain: the template dies with the coordinator's forking thread (PDEATHSIG, as SIGTERM: it
+first kills every worker and sweeps what they leave); each worker dies with the template
+(PDEATHSIG); everything a worker started dies with the worker (its PID namespace, or, without
+one, the subreaper sweeps). Exits are observed on SIGCHLD, through the
 signal wakeup fd, never by polling.
 """
 
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import gc
 import os
+import secrets
 import select
 import selectors
 import signal
@@ -48,17 +50,25 @@ from workers.schemas import parse_args
 #: How long shutdown waits to reap the workers it killed before leaving the stuck ones behind.
 SHUTDOWN_REAP_S = 2.0
 
+#: Set to "subreaper" in the template's environment to use the subreaper fallback even where
+#: PID namespaces are available.
+CONTAINMENT_ENV = "SANDBX_POOL_CONTAINMENT"
+
 
 class Template:
     def __init__(self, control: socket.socket, endpoint: str) -> None:
         self.control = control
         self.endpoint = endpoint
         self.workers: set[int] = set()
-        self.namespaces = containment.probe_pid_namespaces()
+        # CONTAINMENT_ENV (tests, or a host whose namespaces misbehave) skips the probe, so the
+        # fallback is exercised deterministically even where namespaces are permitted.
+        forced = os.environ.get(CONTAINMENT_ENV) == "subreaper"
+        self.namespaces = None if forced else containment.probe_pid_namespaces()
         self.next_token = 0
-        # Workers poll this pipe's read end to learn, race-free, that we died before they could
-        # arm PDEATHSIG: once every write end is closed, it reads as hung up.
-        self.lifeline_read, self.lifeline_write = os.pipe()
+        # A pidfd of ourselves, inherited by each worker: it reads as ready once we have exited,
+        # so a worker learns, race-free, that we died before it could arm PDEATHSIG (or while it
+        # waits for its call). A pipe whose write end siblings briefly share cannot promise that.
+        self.own_pidfd = os.pidfd_open(os.getpid())
         self.wakeup_read, self.wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector = selectors.DefaultSelector()
 
@@ -74,14 +84,21 @@ class Template:
     def run(self) -> None:
         signal.set_wakeup_fd(self.wakeup_write, warn_on_full_buffer=False)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        # SIGTERM is our parent-death signal (see main): it arrives here, as a byte on the
+        # wakeup fd, and ends the loop like a Shutdown.
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
         self.selector.register(self.control, selectors.EVENT_READ, "control")
-        self.selector.register(self.wakeup_read, selectors.EVENT_READ, "sigchld")
+        self.selector.register(self.wakeup_read, selectors.EVENT_READ, "signals")
         self.send(TemplateReady(pid=os.getpid(), containment=self.containment))
         while True:
             for key, _ in self.selector.select():
-                if key.data == "sigchld":
+                if key.data == "signals":
+                    received = b""
                     with contextlib.suppress(BlockingIOError):
-                        os.read(self.wakeup_read, 4096)
+                        received = os.read(self.wakeup_read, 4096)
+                    if signal.SIGTERM in received:
+                        self.shutdown()
+                        return
                     self.reap()
                 elif not self.on_control():
                     self.shutdown()
@@ -89,7 +106,10 @@ class Template:
 
     def on_control(self) -> bool:
         """Handle one control message; False means stop (Shutdown, or the coordinator is gone)."""
-        data = self.control.recv(65536)
+        try:
+            data = self.control.recv(65536)
+        except OSError:  # the coordinator died mid-message; PDEATHSIG is on its way
+            data = b""
         if not data:
             return False
         message = to_template_decoder.decode(data)
@@ -101,7 +121,8 @@ class Template:
         return True
 
     def fork_worker(self) -> None:
-        token = f"{os.getpid()}.{self.next_token}"
+        # Unguessable, so that nobody can connect first under a future worker's identity.
+        token = f"{self.next_token}.{secrets.token_hex(8)}"
         self.next_token += 1
         if self.namespaces is not None:
             self.namespaces.enter_new()
@@ -119,26 +140,25 @@ class Template:
         self.send(Spawned(token=token, pid=pid))
 
     def become_worker(self, token: str) -> None:
-        """In the child: cut every tie to the template except the lifeline, then serve."""
+        """In the child: cut every tie to the template except its pidfd, then serve."""
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             self.selector.close()
             self.control.close()
-            for fd in (self.wakeup_read, self.wakeup_write, self.lifeline_write):
+            for fd in (self.wakeup_read, self.wakeup_write):
                 os.close(fd)
             # Own session and process group: a cancel is one killpg, and a Ctrl-C at the
             # coordinator's terminal never reaches a worker directly.
             os.setsid()
             containment.set_parent_death_signal()
             lifeline = select.poll()
-            lifeline.register(self.lifeline_read, select.POLLIN)
+            lifeline.register(self.own_pidfd, select.POLLIN)
             if lifeline.poll(0):  # the template died before PDEATHSIG was armed
                 os._exit(1)
-            os.close(self.lifeline_read)
             if not containment.in_own_pid_namespace():
                 containment.set_child_subreaper()
-            workers.runtime.serve(token, self.endpoint)
+            workers.runtime.serve(token, self.endpoint, self.own_pidfd)
         except BaseException:
             # Nobody else can report a worker that broke before it could connect.
             traceback.print_exc()
@@ -146,30 +166,38 @@ class Template:
         os._exit(0)
 
     def reap(self) -> None:
+        exited: list[Exited] = []
+        reaped_any = False
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                break
             if pid == 0:
-                return
+                break
+            reaped_any = True
             if pid in self.workers:
                 self.workers.discard(pid)
-                self.send(Exited(pid=pid, returncode=os.waitstatus_to_exitcode(status)))
-                if self.namespaces is None:
-                    self.sweep_orphans()
+                exited.append(Exited(pid=pid, returncode=os.waitstatus_to_exitcode(status)))
+        # Subreaper mode: sweep after every reap, an orphan's included. Killing an orphan
+        # reparents its own children to us, and its death (this SIGCHLD) is when to catch them;
+        # a double fork racing the previous sweep is caught by the next. Sweep before telling the
+        # coordinator, so that a call's outcome never precedes the kill of what it left.
+        if reaped_any and self.namespaces is None:
+            self.sweep_orphans()
+        for message in exited:
+            self.send(message)
 
     def sweep_orphans(self) -> None:
         """Subreaper mode: kill what a dead worker's descendants left reparented to us."""
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/children") as f:
-                orphans = [int(p) for p in f.read().split() if int(p) not in self.workers]
-            for pid in orphans:
+        for pid in containment.children():
+            if pid not in self.workers:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
 
     def shutdown(self) -> None:
-        """Kill every worker and reap them, bounded: a worker stuck in the kernel is left."""
+        """Kill every worker and what it left, and reap them all, bounded: a process stuck in
+        the kernel is left behind."""
         for pid in self.workers:
             # The pid too: a worker forked a moment ago may not have called setsid() yet.
             with contextlib.suppress(ProcessLookupError):
@@ -177,7 +205,11 @@ class Template:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
         deadline = time.monotonic() + SHUTDOWN_REAP_S
-        while self.workers and (remaining := deadline - time.monotonic()) > 0:
+        # Until we have no child at all, not just no worker: in subreaper mode the orphans a
+        # dying worker leaves come to us, and leaving before sweeping them would hand them to
+        # init, alive.
+        self.reap()
+        while containment.children() and (remaining := deadline - time.monotonic()) > 0:
             if select.select([self.wakeup_read], [], [], remaining)[0]:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self.wakeup_read, 4096)
@@ -216,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    containment.set_parent_death_signal()
+    # SIGTERM, not SIGKILL: when the coordinator dies we must outlive it by a moment, to kill
+    # the workers and (subreaper mode) sweep what they leave; dying at once would hand those
+    # orphans to init. Until run() handles it, SIGTERM's default action ends us, which is right:
+    # there is no worker yet.
+    containment.set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != args.parent_pid:  # the coordinator died before PDEATHSIG was armed
         return 1
     containment.set_child_subreaper()

@@ -1,0 +1,195 @@
+"""A read stuck on a hung filesystem holds nobody: tested against a real FUSE mount.
+
+The mount (``fusefs.HungFs``) answers lookups and listings but never a read until released, so a
+reader sleeps in the kernel (state D) where even SIGKILL cannot end it. The pool must release
+the caller anyway (after ``calls.kill_wait_s``), quarantine the worker and report where it is
+stuck, keep serving other calls, reap the worker once the filesystem lets go, and close in
+bounded time while it is still stuck. Without FUSE these tests skip, except under CI=true,
+where they fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import marked_config
+from fusefs import HungFs, require_fuse
+from helpers import wait_until
+
+from sandbx_pool import CancelToken, KilledBy, Pool, Status
+
+#: After SIGKILL, how long the pool waits for a worker to die before it quarantines it.
+KILL_WAIT_S = 0.2
+#: How long past its deadline a caller may wait: kill_wait_s plus slack for a loaded machine.
+#: A bound that says "released, not held by the kernel", not a performance bar.
+RELEASE_BOUND_S = KILL_WAIT_S + 5.0
+#: The same for close(): its own kill wait, and the template's bounded wait for stuck workers.
+CLOSE_BOUND_S = 15.0
+
+CALLS: dict[str, tuple[str, dict[str, Any]]] = {
+    "read": ("read", {"path": "hung/stuck-0.txt"}),
+    "grep": ("grep", {"pattern": "needle", "path": "hung"}),
+}
+
+
+@pytest.fixture
+def hung_fs(workspace: Path) -> Iterator[HungFs]:
+    require_fuse()
+    fs = HungFs(workspace / "hung")
+    fs.start()
+    try:
+        yield fs
+    finally:
+        fs.stop()
+    assert not fs.mounted()
+
+
+def hung_config(**calls: object) -> Any:
+    return marked_config(pool={"workers": 2}, calls={"kill_wait_s": KILL_WAIT_S, **calls})
+
+
+@pytest.fixture
+async def pool(hung_fs: HungFs, workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
+    async with Pool(workspace, journal=tmp_path / "j.jsonl", config=hung_config()) as p:
+        yield p
+
+
+async def stuck_call(pool: Pool, fs: HungFs, name: str, token: CancelToken) -> asyncio.Task[Any]:
+    """Start call ``name`` and return once its read is held by the filesystem."""
+    tool, args = CALLS[name]
+    seen = len(fs.reads)
+    call = asyncio.create_task(pool.call(tool, args, cancel=token))
+    await asyncio.to_thread(fs.wait_reads, seen + 1)
+    return call
+
+
+def proc_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+# -- released on schedule, quarantined, reaped -------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CALLS)
+@pytest.mark.parametrize("release", ["answer", "daemon dies"])
+async def test_a_cancelled_call_on_a_hung_mount_is_released_then_reaped(
+    pool: Pool, hung_fs: HungFs, name: str, release: str
+) -> None:
+    token = CancelToken()
+    call = await stuck_call(pool, hung_fs, name, token)
+    token.cancel("user pressed stop")
+    outcome = await asyncio.wait_for(call, RELEASE_BOUND_S)
+    assert outcome.status is Status.CANCELLED
+    assert outcome.killed_by is KilledBy.TOKEN
+    assert outcome.started
+    assert outcome.quarantined
+    assert outcome.wchan  # e.g. "request_wait_answer": where FUSE holds the reader
+    (stuck,) = pool.stuck_workers()
+    assert stuck["pid"] == outcome.worker_pid
+    assert stuck["state"].startswith("D")
+    assert stuck["wchan"] == outcome.wchan
+    if release == "answer":
+        hung_fs.release()
+    else:
+        hung_fs.kill()  # the kernel aborts the connection: the read fails, the kill lands
+    await wait_until(lambda: pool.stuck_workers() == [], within_s=10)
+    assert outcome.worker_pid is not None
+    assert proc_state(outcome.worker_pid) is None
+
+
+@pytest.mark.parametrize("name", CALLS)
+async def test_a_call_on_a_hung_mount_times_out_on_schedule(
+    pool: Pool, hung_fs: HungFs, name: str
+) -> None:
+    tool, args = CALLS[name]
+    timeout = 2.0
+    outcome = await asyncio.wait_for(
+        pool.call(tool, args, timeout=timeout), timeout + RELEASE_BOUND_S
+    )
+    assert hung_fs.reads  # the deadline found the worker held by the filesystem
+    assert outcome.status is Status.TIMEOUT
+    assert outcome.killed_by is KilledBy.TIMEOUT
+    assert outcome.quarantined
+    assert outcome.wchan
+    assert outcome.duration_s >= timeout
+    assert [w["pid"] for w in pool.stuck_workers()] == [outcome.worker_pid]
+    hung_fs.release()
+    await wait_until(lambda: pool.stuck_workers() == [], within_s=10)
+
+
+async def test_a_bash_command_on_a_hung_mount_is_released_then_reaped(
+    pool: Pool, hung_fs: HungFs
+) -> None:
+    # Here the stuck process is bash's child, not the worker: the worker, its namespace's init,
+    # cannot finish exiting while a process of its namespace is alive, so it is quarantined too.
+    seen = len(hung_fs.reads)
+    token = CancelToken()
+    call = asyncio.create_task(pool.call("bash", {"command": "cat hung/stuck-1.txt"}, cancel=token))
+    await asyncio.to_thread(hung_fs.wait_reads, seen + 1)
+    token.cancel()
+    outcome = await asyncio.wait_for(call, RELEASE_BOUND_S + 1.0)  # + bash's SIGTERM grace
+    assert outcome.status is Status.CANCELLED
+    assert outcome.started
+    assert pool._template is not None
+    if pool._template.containment == "pidns":
+        assert outcome.quarantined
+    hung_fs.release()
+    await wait_until(lambda: pool.stuck_workers() == [], within_s=10)
+
+
+# -- other calls go on -------------------------------------------------------------------------
+
+
+async def test_other_calls_keep_working_while_workers_are_stuck(
+    pool: Pool, hung_fs: HungFs
+) -> None:
+    # As many stuck workers as the pool has slots: quarantined workers must not hold one.
+    tokens = [CancelToken(), CancelToken()]
+    calls = [await stuck_call(pool, hung_fs, n, t) for n, t in zip(CALLS, tokens, strict=True)]
+    for token in tokens:
+        token.cancel()
+    stuck = await asyncio.wait_for(asyncio.gather(*calls), RELEASE_BOUND_S)
+    assert all(o.quarantined for o in stuck)
+    outcomes = await asyncio.gather(*(pool.call("read", {"path": "hello.txt"}) for _ in range(50)))
+    assert [o.status for o in outcomes] == [Status.OK] * 50
+    listing = await pool.call("ls", {"path": "hung"})  # the mount still answers what it can
+    assert listing.status is Status.OK
+    assert {w["pid"] for w in pool.stuck_workers()} == {o.worker_pid for o in stuck}
+    hung_fs.release()
+    await wait_until(lambda: pool.stuck_workers() == [], within_s=10)
+
+
+# -- close -------------------------------------------------------------------------------------
+
+
+async def test_close_is_bounded_while_workers_are_stuck(
+    hung_fs: HungFs, workspace: Path, tmp_path: Path
+) -> None:
+    pool = Pool(workspace, journal=tmp_path / "j.jsonl", config=hung_config())
+    await pool.start()
+    token = CancelToken()
+    first = await stuck_call(pool, hung_fs, "read", token)
+    token.cancel()
+    quarantined = await asyncio.wait_for(first, RELEASE_BOUND_S)
+    in_flight = await stuck_call(pool, hung_fs, "grep", CancelToken())
+    started = time.monotonic()
+    await asyncio.wait_for(pool.close(), CLOSE_BOUND_S)
+    closed_in = time.monotonic() - started
+    stopped = await in_flight
+    assert stopped.status is Status.CANCELLED
+    assert stopped.killed_by is KilledBy.SHUTDOWN
+    assert stopped.quarantined
+    pids = [quarantined.worker_pid, stopped.worker_pid]
+    # Closed while they were still stuck: the pool did not wait for the kernel.
+    assert [proc_state(pid) for pid in pids if pid is not None] == ["D", "D"], closed_in
+    hung_fs.release()
+    await wait_until(lambda: all(proc_state(p) is None for p in pids if p is not None), 10)
