@@ -544,16 +544,17 @@ class Pool:
     def _replenish(self, *, eager: bool = True) -> None:
         """Ask the template for the workers we lack.
 
-        ``eager`` (a call just finished, a worker exited): fill up to ``prefork`` spare workers
-        plus one per queued call. Not eager (a call is being dispatched): fork only what queued
-        calls need now, and keep one spare; the rest waits until the call is done, because a
-        fork and a worker's start-up compete for the same cores as the call being served.
+        Workers are wanted for the queued calls that could run now (``workers`` bounds how many
+        are busy: a queue of 300 behind 4 busy workers needs none yet) plus spares: ``eager``
+        (a call just finished, a worker exited) keeps ``prefork`` spares; not eager (a call is
+        being dispatched) keeps one, and the rest waits until the call is done, because a fork
+        and a worker's start-up compete for the same cores as the call being served.
         """
         if self.state is not PoolState.OPEN or self._template is None or self._template_lost:
             return
-        shortfall = max(0, len(self._waiting) - len(self._idle))
+        runnable = min(len(self._waiting), self.max_workers - self._busy)
         spares = min(self.prefork, self.max_workers)
-        wanted = spares + shortfall if eager else shortfall + min(spares, 1)
+        wanted = runnable + (spares if eager else min(spares, 1))
         missing = wanted - len(self._idle) - self._starting
         if missing > 0:
             self._starting += missing

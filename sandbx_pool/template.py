@@ -58,6 +58,8 @@ class TemplateProcess:
         self.pid: int | None = None
         self.containment: str | None = None
         self.closed = False
+        self._pending_spawns = 0
+        self._spawn_scheduled = False
 
     def _thread_main(self) -> None:
         try:
@@ -135,11 +137,36 @@ class TemplateProcess:
             self._on_lost()
 
     def spawn(self, count: int) -> None:
-        if count > 0 and not self.closed:
-            try:
-                self._sock.send(encoder.encode(Spawn(count=count)))
-            except OSError:
-                self._lost()
+        """Ask for ``count`` more workers. Requests made in one turn of the loop travel as one
+        message, and a full socket waits until it drains (it is not a lost template)."""
+        if count <= 0 or self.closed:
+            return
+        self._pending_spawns += count
+        if not self._spawn_scheduled:
+            assert self._loop is not None
+            self._spawn_scheduled = True
+            self._loop.call_soon(self._send_spawns)
+
+    def _send_spawns(self) -> None:
+        assert self._loop is not None
+        self._spawn_scheduled = False
+        if self.closed or self._pending_spawns == 0:
+            return
+        try:
+            self._sock.send(encoder.encode(Spawn(count=self._pending_spawns)))
+        except BlockingIOError:
+            self._spawn_scheduled = True
+            self._loop.add_writer(self._sock.fileno(), self._on_writable)
+            return
+        except OSError:
+            self._lost()
+            return
+        self._pending_spawns = 0
+
+    def _on_writable(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_writer(self._sock.fileno())
+        self._send_spawns()
 
     def kill(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -154,6 +181,7 @@ class TemplateProcess:
         if self._loop is not None:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(self._sock.fileno())
+                self._loop.remove_writer(self._sock.fileno())
         self._stop.set()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 10)

@@ -36,6 +36,9 @@ from workers.protocol import (
 from workers.schemas import UnknownTool, parse_args
 from workers.tools import WORKER_ACTIONS
 
+#: Exit status of an idle worker whose template died (nobody will ever send it a call).
+EXIT_ORPHANED = 75
+
 #: Exit status of a worker the coordinator stopped with SIGTERM (it sends no Result).
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
@@ -175,8 +178,13 @@ def warm_up() -> None:
     encoder.encode(run_call(call))
 
 
-def serve(token: str, endpoint: str) -> None:
-    """Connect, take one call, answer it. Returns when the Result is handed to ZeroMQ."""
+def serve(token: str, endpoint: str, template_pidfd: int) -> None:
+    """Connect, take one call, answer it, exit.
+
+    ``template_pidfd`` becomes readable when the template exits: an idle worker whose template
+    is gone (PDEATHSIG covers that too, this is the second line) exits instead of waiting for a
+    call that can never come.
+    """
     # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it
     # and let the command end. Python handlers reset on exec, so bash sees the default.
     terminated: list[int] = []
@@ -192,6 +200,15 @@ def serve(token: str, endpoint: str) -> None:
     warm_up()
     prepared = sandbox.prepare()
     sock.send(encoder.encode(Ready(token=token)))
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(template_pidfd, zmq.POLLIN)
+    while True:
+        events = dict(poller.poll())
+        if sock in events:
+            break
+        if template_pidfd in events:
+            os._exit(EXIT_ORPHANED)
     call = call_decoder.decode(sock.recv())
     confinement = None
     try:
