@@ -39,7 +39,8 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), int(fields[19]) / _CLK_TCK
 
 
-def _marked(pid: int) -> bool:
+def is_marked(pid: int | str) -> bool:
+    """Whether process ``pid`` carries this test session's marker (it is ours)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return _MARK in f.read().split(b"\0")
@@ -78,7 +79,7 @@ def leftover_processes(since: float) -> list[str]:
         ancestor, hops = ppid, 0
         while ancestor not in (0, 1, me) and hops < 64:
             ancestor, hops = table.get(ancestor, (0, 0.0))[0], hops + 1
-        if ancestor == me or (ancestor in (0, 1) and _marked(pid)):
+        if ancestor == me or (ancestor in (0, 1) and is_marked(pid)):
             found.append(f"{pid} {_cmdline(pid)}")
     return found
 

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from conftest import MARKER
+from conftest import is_marked
 
 
 async def wait_until(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
@@ -30,7 +30,7 @@ def fifo_has_reader(path: str | os.PathLike[str]) -> bool:
     """
     fifo = os.stat(path)
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or not _ours(entry):
+        if not entry.isdigit() or not is_marked(entry):
             continue
         if _wchan(entry) == "wait_for_partner":
             return True
@@ -41,15 +41,6 @@ def fifo_has_reader(path: str | os.PathLike[str]) -> bool:
                     if (st.st_dev, st.st_ino) == (fifo.st_dev, fifo.st_ino):
                         return True
     return False
-
-
-def _ours(pid: str) -> bool:
-    mark = f"{MARKER}={os.environ.get(MARKER, '')}".encode()
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return mark in f.read().split(b"\0")
-    except OSError:
-        return False
 
 
 def _wchan(pid: str) -> str:
