@@ -36,7 +36,6 @@ import enum
 import hmac
 import itertools
 import os
-import secrets
 import shutil
 import signal
 import tempfile
@@ -49,6 +48,7 @@ import zmq
 from loguru import logger
 
 from sandbx_pool import confine
+from sandbx_pool.call_state import CallState, crash_message
 from sandbx_pool.cancel import CancelCallback, CancelToken
 from sandbx_pool.config import Config, JournalPolicy, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost
@@ -68,7 +68,6 @@ from workers.protocol import (
     FromTemplate,
     Limits,
     Ready,
-    Result,
     Sandbox,
     Spawned,
     encoder,
@@ -96,55 +95,6 @@ class PoolState(enum.IntEnum):
     OPEN = 1
     CLOSING = 2
     CLOSED = 3
-
-
-class _Call:
-    """One call's state, shared by its caller, its driver task and the receive task."""
-
-    def __init__(
-        self,
-        call_id: str,
-        tool: str,
-        raw_args: Any,
-        timeout_s: float | None,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        limits: Limits | None = None,
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        self.call_id = call_id
-        self.tool = tool
-        self.raw_args = raw_args
-        self.timeout_s = timeout_s
-        self.cwd = cwd
-        self.env = env
-        self.limits = limits
-        self.started_at = time.monotonic()
-        self.context: ExecutionContext | None = None
-        self.worker: Worker | None = None
-        self.assigned: asyncio.Future[Worker] = loop.create_future()
-        self.result: asyncio.Future[Result] = loop.create_future()
-        self.kill_requested: asyncio.Future[None] = loop.create_future()
-        self.killer: KilledBy | None = None
-        self.reason: str | None = None
-        # Only the worker this call is sent to learns it; its Result must carry it back.
-        self.secret = secrets.token_hex(16)
-
-    def request_kill(self, killer: KilledBy, reason: str | None = None) -> None:
-        # The first killer wins and is recorded here, before any signal is sent.
-        if self.killer is None and not self.kill_requested.done():
-            self.killer = killer
-            self.reason = reason
-            self.kill_requested.set_result(None)
-
-    def outcome(self, status: Status, **fields: Any) -> Outcome:
-        return Outcome(
-            call_id=self.call_id,
-            tool=self.tool,
-            status=status,
-            duration_s=time.monotonic() - self.started_at,
-            **fields,
-        )
 
 
 class Pool:
@@ -185,8 +135,8 @@ class Pool:
         self._workers: dict[str, Worker] = {}
         self._workers_by_pid: dict[int, Worker] = {}
         self._idle: deque[Worker] = deque()
-        self._waiting: deque[_Call] = deque()
-        self._calls: dict[str, _Call] = {}
+        self._waiting: deque[CallState] = deque()
+        self._calls: dict[str, CallState] = {}
         self._drivers: set[asyncio.Task[Outcome]] = set()
         self._busy = 0
         self._starting = 0
@@ -262,7 +212,7 @@ class Pool:
         ]
         if not paths:
             return
-        call = _Call(f"{self._id_prefix}-recovery", "_remove_temps", {"paths": paths}, 30.0)
+        call = CallState(f"{self._id_prefix}-recovery", "_remove_temps", {"paths": paths}, 30.0)
         call.context = self._context(call, self.workspace)
         worker = await self._acquire(call)
         assert worker is not None
@@ -356,7 +306,7 @@ class Pool:
             raise PoolClosed("the pool is closed")
         if self._template_lost:
             raise TemplateLost("the worker template died; open a new pool")
-        call = _Call(
+        call = CallState(
             call_id or f"{self._id_prefix}-{next(self._ids)}",
             tool,
             args,
@@ -389,7 +339,7 @@ class Pool:
             if unsubscribe is not None:
                 unsubscribe()
 
-    def _token_callback(self, call: _Call) -> CancelCallback:
+    def _token_callback(self, call: CallState) -> CancelCallback:
         loop = self._loop
         assert loop is not None
 
@@ -401,7 +351,7 @@ class Pool:
 
     # -- one call's life ---------------------------------------------------------------------
 
-    async def _drive(self, call: _Call) -> Outcome:
+    async def _drive(self, call: CallState) -> Outcome:
         """Journal the intent, run the call, journal its one outcome, whatever happens."""
         if self.journal is not None:
             raw = call.raw_args
@@ -424,7 +374,7 @@ class Pool:
                 await self.journal.flush()
         return outcome
 
-    async def _run(self, call: _Call) -> Outcome:
+    async def _run(self, call: CallState) -> Outcome:
         # Checks that need no process, in order: nothing is forked for a refused call.
         if call.killer is not None:
             return self._killed_before_start(call)
@@ -452,13 +402,13 @@ class Pool:
         finally:
             self._release(worker)
 
-    def _killed_before_start(self, call: _Call) -> Outcome:
+    def _killed_before_start(self, call: CallState) -> Outcome:
         assert call.killer is not None
         return call.outcome(
             STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason
         )
 
-    async def _execute(self, call: _Call, worker: Worker) -> Outcome:
+    async def _execute(self, call: CallState, worker: Worker) -> Outcome:
         self._dispatch(call, worker)
         if self.journal is not None and worker.pid is not None:
             self.journal.started(call.call_id, worker.pid)
@@ -502,7 +452,7 @@ class Pool:
         assert call.context is not None
         return call.outcome(
             Status.CRASHED,
-            error=_crash_message(returncode, call.context),
+            error=crash_message(returncode, call.context),
             signal=-returncode if returncode < 0 else None,
             limit="cpu" if returncode == -signal.SIGXCPU else None,
             **common,
@@ -510,7 +460,7 @@ class Pool:
 
     # -- workers: scheduling (synchronous decisions) -------------------------------------------
 
-    async def _acquire(self, call: _Call) -> Worker | None:
+    async def _acquire(self, call: CallState) -> Worker | None:
         """Wait for an idle worker and a free slot; None if the call was killed meanwhile."""
         if call.killer is not None:
             return None
@@ -568,7 +518,7 @@ class Pool:
         self._assign()
         self._replenish()
 
-    def _dispatch(self, call: _Call, worker: Worker) -> None:
+    def _dispatch(self, call: CallState, worker: Worker) -> None:
         assert self._router is not None
         assert call.context is not None
         call.worker = worker
@@ -586,7 +536,7 @@ class Pool:
             # The worker vanished between Ready and now: its exit notice will end the call.
             logger.warning("cannot send call {} to worker {}: {}", call.call_id, worker.pid, exc)
 
-    async def _stop_worker(self, call: _Call, worker: Worker) -> bool:
+    async def _stop_worker(self, call: CallState, worker: Worker) -> bool:
         """Kill the worker's process group; True when it would not die and was quarantined."""
         if call.tool == "bash" and self.config.calls.grace_s > 0:
             # bash gets SIGTERM first so a command can clean up; file tools hold nothing worth it.
@@ -724,7 +674,7 @@ class Pool:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _context(self, call: _Call, cwd: str) -> ExecutionContext:
+    def _context(self, call: CallState, cwd: str) -> ExecutionContext:
         """Everything the worker needs for this call, and nothing shared with another call."""
         return ExecutionContext(
             call_id=call.call_id,
@@ -794,12 +744,3 @@ def _peer_pid(frame: zmq.Frame) -> int | None:
 
 def _mib(value: int | None) -> int | None:
     return None if value is None else value * _MiB
-
-
-def _crash_message(returncode: int, context: ExecutionContext) -> str:
-    if returncode < 0:
-        name = signal.Signals(-returncode).name
-        if returncode == -signal.SIGXCPU:
-            return f"CPU time limit exceeded ({context.limits.cpu_seconds} s): killed by {name}"
-        return f"worker died without answering: killed by {name}"
-    return f"worker exited with status {returncode} without answering"

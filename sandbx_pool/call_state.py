@@ -1,0 +1,71 @@
+"""One call's state, shared by its caller, its driver task and the pool's receive path."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import signal
+import time
+from typing import Any
+
+from sandbx_pool.outcome import KilledBy, Outcome, Status
+from sandbx_pool.worker_handle import Worker
+from workers.protocol import ExecutionContext, Limits, Result
+
+
+class CallState:
+    """One call's state, shared by its caller, its driver task and the receive task."""
+
+    def __init__(
+        self,
+        call_id: str,
+        tool: str,
+        raw_args: Any,
+        timeout_s: float | None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self.call_id = call_id
+        self.tool = tool
+        self.raw_args = raw_args
+        self.timeout_s = timeout_s
+        self.cwd = cwd
+        self.env = env
+        self.limits = limits
+        self.started_at = time.monotonic()
+        self.context: ExecutionContext | None = None
+        self.worker: Worker | None = None
+        self.assigned: asyncio.Future[Worker] = loop.create_future()
+        self.result: asyncio.Future[Result] = loop.create_future()
+        self.kill_requested: asyncio.Future[None] = loop.create_future()
+        self.killer: KilledBy | None = None
+        self.reason: str | None = None
+        # Only the worker this call is sent to learns it; its Result must carry it back.
+        self.secret = secrets.token_hex(16)
+
+    def request_kill(self, killer: KilledBy, reason: str | None = None) -> None:
+        # The first killer wins and is recorded here, before any signal is sent.
+        if self.killer is None and not self.kill_requested.done():
+            self.killer = killer
+            self.reason = reason
+            self.kill_requested.set_result(None)
+
+    def outcome(self, status: Status, **fields: Any) -> Outcome:
+        return Outcome(
+            call_id=self.call_id,
+            tool=self.tool,
+            status=status,
+            duration_s=time.monotonic() - self.started_at,
+            **fields,
+        )
+
+
+def crash_message(returncode: int, context: ExecutionContext) -> str:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        if returncode == -signal.SIGXCPU:
+            return f"CPU time limit exceeded ({context.limits.cpu_seconds} s): killed by {name}"
+        return f"worker died without answering: killed by {name}"
+    return f"worker exited with status {returncode} without answering"
