@@ -296,7 +296,8 @@ async def test_no_memory_or_environment_of_another_process(any_pool: Pool, works
     await finish_blocker(blocker, workspace)
 
 
-async def test_commands_run_without_privileges_or_secrets(pool: Pool) -> None:
+def spy_on_secrets(pool: Pool) -> list[str]:
+    """The secret of each call the pool dispatches from now on (only its worker should know)."""
     secrets_sent: list[str] = []
     dispatch = pool._dispatch
 
@@ -305,6 +306,11 @@ async def test_commands_run_without_privileges_or_secrets(pool: Pool) -> None:
         dispatch(call, worker)
 
     pool._dispatch = spy  # type: ignore[method-assign]
+    return secrets_sent
+
+
+async def test_commands_run_without_privileges_or_secrets(pool: Pool) -> None:
+    secrets_sent = spy_on_secrets(pool)
     command = (
         "grep -E '^(NoNewPrivs|CapBnd)' /proc/self/status; env; cat /proc/self/environ; echo;"
         " ls /proc/self/fd"
@@ -409,14 +415,7 @@ async def test_forged_messages_touch_no_call(
 
 
 async def test_only_the_calls_secret_completes_it(pool: Pool, workspace: Path) -> None:
-    secrets_sent: list[str] = []
-    dispatch = pool._dispatch
-
-    def spy(call: Any, worker: Any) -> None:
-        secrets_sent.append(call.secret)
-        dispatch(call, worker)
-
-    pool._dispatch = spy  # type: ignore[method-assign]
+    secrets_sent = spy_on_secrets(pool)
     blocker = await started_blocker(pool, workspace)
     [running] = pool.running()
     worker = pool._workers_by_pid[running["pid"]]
