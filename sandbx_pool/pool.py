@@ -40,7 +40,6 @@ import shutil
 import signal
 import tempfile
 import time
-from collections import deque
 from typing import Any
 
 import msgspec
@@ -59,6 +58,7 @@ from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
 from sandbx_pool.runtime_dir import default_journal_path, make_private_dir
 from sandbx_pool.template import TemplateProcess
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
+from sandbx_pool.worker_set import WorkerSet
 from workers.protocol import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -83,9 +83,6 @@ CRASH_RESULT_GRACE_S = 0.05
 
 _MiB = 1024 * 1024
 
-#: Readies that arrived before the template's Spawned for their token, kept until it comes.
-#: Bounded, so that a flood of forged Readies cannot grow the coordinator's memory.
-MAX_EARLY_READY = 1024
 
 _STATUSES = frozenset(status.value for status in Status)
 
@@ -123,7 +120,6 @@ class Pool:
         self.config.sandbox.user()  # an unknown run_as user is a ConfigError here, not later
         self._sandbox: Sandbox | None = None
         self._tmp_root: str | None = None
-        self._early_ready: dict[str, int | None] = {}
         self.state = PoolState.NEW
         self.journal: Journal | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -132,25 +128,18 @@ class Pool:
         self._router: zmq.Socket[bytes] | None = None
         self._router_fd: int | None = None
         self._template: TemplateProcess | None = None
-        self._workers: dict[str, Worker] = {}
-        self._workers_by_pid: dict[int, Worker] = {}
-        self._idle: deque[Worker] = deque()
-        self._waiting: deque[CallState] = deque()
+        self._workers = WorkerSet(
+            max_workers=self.max_workers, prefork=self.prefork, spawn=self._spawn
+        )
         self._calls: dict[str, CallState] = {}
         self._drivers: set[asyncio.Task[Outcome]] = set()
-        self._busy = 0
-        self._starting = 0
         self._ids = itertools.count(1)
         self._id_prefix = f"{os.getpid():x}-{int(time.time()):x}"
         self._template_lost = False
         self._closed = asyncio.Event()
 
     def __repr__(self) -> str:
-        stuck = sum(w.state is WorkerState.QUARANTINED for w in self._workers.values())
-        return (
-            f"<Pool [{self.state.name} | Calls: {self._busy} active, {len(self._waiting)} queued"
-            f" | Workers: {len(self._idle)} idle, {self._starting} starting, {stuck} stuck]>"
-        )
+        return f"<Pool [{self.state.name} | {self._workers!r}]>"
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -200,7 +189,8 @@ class Pool:
             await self._teardown()
             raise PoolClosed("the pool was closed while it was starting")
         self.state = PoolState.OPEN
-        self._replenish()
+        self._workers.forking = True
+        self._workers.replenish()
         await self._remove_leftovers()
 
     async def _remove_leftovers(self) -> None:
@@ -219,7 +209,7 @@ class Pool:
         try:
             outcome = await self._execute(call, worker)
         finally:
-            self._release(worker)
+            self._workers.release(worker)
         if outcome.ok and outcome.value is not None:
             for path in outcome.value["removed"]:
                 logger.info(
@@ -237,6 +227,7 @@ class Pool:
             await self._closed.wait()
             return
         self.state = PoolState.CLOSING
+        self._workers.forking = False
         for call in self._calls.values():
             call.request_kill(KilledBy.SHUTDOWN, "pool closing")
         drivers = [task for task in self._drivers if not task.done()]
@@ -252,15 +243,14 @@ class Pool:
 
     def kill_now(self) -> None:
         """SIGKILL every worker group at once, without waiting or journaling (last resort)."""
-        for worker in list(self._workers.values()):
+        for worker in list(self._workers.by_token.values()):
             worker.signal_group(signal.SIGKILL)
         if self._template is not None:
             self._template.kill()
 
     async def _teardown(self) -> None:
-        for worker in list(self._workers.values()):
-            if worker.state is not WorkerState.QUARANTINED:
-                worker.signal_group(signal.SIGKILL)
+        self._workers.forking = False
+        self._workers.kill_all()
         if self._template is not None:
             await self._template.close()
         if self._router_fd is not None and self._loop is not None:
@@ -275,7 +265,7 @@ class Pool:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
         if self._tmp_root is not None:
             shutil.rmtree(self._tmp_root, ignore_errors=True)
-        for worker in self._workers.values():
+        for worker in self._workers.by_token.values():
             worker.stop_watching()
             if worker.state is WorkerState.QUARANTINED:
                 logger.warning("closing with stuck worker {}", describe_stuck(worker))
@@ -400,7 +390,7 @@ class Pool:
         try:
             return await self._execute(call, worker)
         finally:
-            self._release(worker)
+            self._workers.release(worker)
 
     def _killed_before_start(self, call: CallState) -> Outcome:
         assert call.killer is not None
@@ -464,59 +454,13 @@ class Pool:
         """Wait for an idle worker and a free slot; None if the call was killed meanwhile."""
         if call.killer is not None:
             return None
-        self._waiting.append(call)
-        self._assign()
-        self._replenish(eager=False)
+        self._workers.enqueue(call)
         either: set[asyncio.Future[Any]] = {call.assigned, call.kill_requested}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if call.assigned.done():
-            worker = call.assigned.result()
-            if call.killer is None:
-                return worker
-            # Killed at the moment it got a worker: the worker never saw the call; reuse it.
-            self._busy -= 1
-            worker.state = WorkerState.IDLE
-            self._idle.appendleft(worker)
-            self._assign()
-            return None
-        with contextlib.suppress(ValueError):
-            self._waiting.remove(call)
+        if call.killer is None:
+            return call.assigned.result()
+        self._workers.withdraw(call)
         return None
-
-    def _assign(self) -> None:
-        while self._waiting and self._idle and self._busy < self.max_workers:
-            call = self._waiting.popleft()
-            worker = self._idle.popleft()
-            worker.state = WorkerState.BUSY
-            self._busy += 1
-            call.assigned.set_result(worker)
-
-    def _replenish(self, *, eager: bool = True) -> None:
-        """Ask the template for the workers we lack.
-
-        Workers are wanted for the queued calls that could run now (``workers`` bounds how many
-        are busy: a queue of 300 behind 4 busy workers needs none yet) plus spares: ``eager``
-        (a call just finished, a worker exited) keeps ``prefork`` spares; not eager (a call is
-        being dispatched) keeps one, and the rest waits until the call is done, because a fork
-        and a worker's start-up compete for the same cores as the call being served.
-        """
-        if self.state is not PoolState.OPEN or self._template is None or self._template_lost:
-            return
-        runnable = min(len(self._waiting), self.max_workers - self._busy)
-        spares = min(self.prefork, self.max_workers)
-        wanted = runnable + (spares if eager else min(spares, 1))
-        missing = wanted - len(self._idle) - self._starting
-        if missing > 0:
-            self._starting += missing
-            self._template.spawn(missing)
-
-    def _release(self, worker: Worker) -> None:
-        worker.call = None
-        if worker.exited.done():
-            self._workers.pop(worker.token, None)
-        self._busy -= 1
-        self._assign()
-        self._replenish()
 
     def _dispatch(self, call: CallState, worker: Worker) -> None:
         assert self._router is not None
@@ -600,77 +544,26 @@ class Pool:
         elif not worker.call.result.done():
             worker.call.result.set_result(message)
 
-    def _worker(self, token: str) -> Worker:
-        worker = self._workers.get(token)
-        if worker is None:
-            assert self._loop is not None
-            worker = Worker(token, self._loop)
-            self._workers[token] = worker
-        return worker
+    def _spawn(self, count: int) -> None:
+        if self._template is not None:
+            self._template.spawn(count)
 
     def _on_ready(
         self, identity: bytes, message: Ready, known: Worker | None, peer_pid: int | None
     ) -> None:
-        if message.token.encode() != identity:
-            logger.warning("dropped a Ready whose token does not match its identity")
-            return
-        if known is None:
-            # Before the template's Spawned (they travel separately) or forged: keep who sent
-            # it until Spawned says which process the token belongs to.
-            self._early_ready[message.token] = peer_pid
-            while len(self._early_ready) > MAX_EARLY_READY:
-                self._early_ready.pop(next(iter(self._early_ready)))
-            return
-        self._accept_ready(known, peer_pid)
-
-    def _accept_ready(self, worker: Worker, peer_pid: int | None) -> None:
-        # A stranger may connect first under a token not yet in use; the connection's pid
-        # (SO_PEERCRED) must be the one the template forked for it.
-        if peer_pid is not None and peer_pid != worker.pid:
-            logger.warning("dropped a Ready for worker {} sent by process {}", worker.pid, peer_pid)
-            return
-        worker.ready = True
-        self._maybe_idle(worker)
+        self._workers.on_ready(identity, message, known, peer_pid)
 
     def _on_template(self, message: FromTemplate) -> None:
         if isinstance(message, Spawned):
-            worker = self._worker(message.token)
-            worker.watch(message.pid)
-            self._workers_by_pid[message.pid] = worker
-            if message.token in self._early_ready:
-                self._accept_ready(worker, self._early_ready.pop(message.token))
-            self._maybe_idle(worker)
+            self._workers.on_spawned(message)
         elif isinstance(message, Exited):
-            if message.pid not in self._workers_by_pid:
-                return
-            worker = self._workers_by_pid.pop(message.pid)
-            if worker.call is None:
-                # With a call in flight, keep it findable: its Result may still be on its way.
-                self._workers.pop(worker.token, None)
-            if worker.state is WorkerState.STARTING:
-                self._starting -= 1
-            elif worker.state is WorkerState.IDLE:
-                with contextlib.suppress(ValueError):
-                    self._idle.remove(worker)
-            elif worker.state is WorkerState.QUARANTINED:
-                logger.info("stuck worker {} finally exited ({})", worker.pid, message.returncode)
-            worker.mark_exited(message.returncode)
-            self._replenish()
-
-    def _maybe_idle(self, worker: Worker) -> None:
-        if worker.state is WorkerState.STARTING and worker.ready and worker.pid is not None:
-            self._starting -= 1
-            worker.state = WorkerState.IDLE
-            self._idle.append(worker)
-            self._assign()
+            self._workers.on_exited(message)
 
     def _on_template_lost(self) -> None:
         self._template_lost = True
-        for call in self._waiting:
+        for call in self._workers.waiting:
             call.request_kill(KilledBy.SHUTDOWN, "the worker template died")
-        for worker in list(self._workers.values()):
-            worker.signal_group(signal.SIGKILL)
-            worker.mark_exited(-signal.SIGKILL)
+        self._workers.on_template_lost()
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -728,8 +621,7 @@ class Pool:
         """Workers that did not die after SIGKILL, with where the kernel holds them."""
         return [
             {"pid": w.pid, "wchan": w.wchan, "state": w.proc_state(), "since": w.quarantined_at}
-            for w in self._workers.values()
-            if w.state is WorkerState.QUARANTINED
+            for w in self._workers.quarantined()
         ]
 
 

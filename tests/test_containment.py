@@ -312,7 +312,7 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
             fire()
             for args in held:
                 loop.call_soon(on_message, *args)
-        elif step == "handshaking" and pool._busy:
+        elif step == "handshaking" and pool._workers.busy:
             fire()
 
     def at_message(*args: Any) -> None:
@@ -321,7 +321,7 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
             held.append(args)
             return
         on_message(*args)
-        if not state["stopped"] and step == "handshaking" and pool._busy:
+        if not state["stopped"] and step == "handshaking" and pool._workers.busy:
             fire()
 
     pool._on_template = at_template  # type: ignore[method-assign]

@@ -263,7 +263,7 @@ async def test_a_call_cannot_kill_or_stop_anyone_else(any_pool: Pool, workspace:
     assert pool._template.pid is not None
     targets = [os.getpid(), pool._template.pid, pool.running()[0]["pid"]]
     # Idle workers too, except the first: it takes the attacking call (and may end it).
-    targets += [w.pid for w in list(pool._idle)[1:] if w.pid is not None]
+    targets += [w.pid for w in list(pool._workers.idle)[1:] if w.pid is not None]
     command = "; ".join(f"kill -{sig} {pid}" for sig in ("STOP", "9") for pid in targets)
     value = await bash(pool, command + "; echo still here")
     assert value["stdout"] == "still here\n"
@@ -381,8 +381,8 @@ async def test_forged_messages_touch_no_call(
     forged Results for the running call."""
     blocker = await started_blocker(pool, workspace)
     [running] = pool.running()
-    busy = pool._workers_by_pid[running["pid"]]
-    future_tokens = [f"{n}.{secrets.token_hex(8)}" for n in range(len(pool._workers) + 8)]
+    busy = pool._workers.by_pid[running["pid"]]
+    future_tokens = [f"{n}.{secrets.token_hex(8)}" for n in range(len(pool._workers.by_token) + 8)]
     forged = Result(call_id=running["call_id"], status="ok", value={"stdout": "forged"})
     context = zmq.Context()
     strangers = []
@@ -418,7 +418,7 @@ async def test_only_the_calls_secret_completes_it(pool: Pool, workspace: Path) -
     secrets_sent = spy_on_secrets(pool)
     blocker = await started_blocker(pool, workspace)
     [running] = pool.running()
-    worker = pool._workers_by_pid[running["pid"]]
+    worker = pool._workers.by_pid[running["pid"]]
     frames = lambda result: [worker.identity, encoder.encode(result)]  # noqa: E731
     forged = Result(call_id=running["call_id"], status="ok", value={"stdout": "forged"})
     pool._on_worker_message(frames(forged), running["pid"])
@@ -440,7 +440,7 @@ async def test_fuzz_of_the_decoding_path(pool: Pool, workspace: Path) -> None:
     rng = random.Random(9)
     blocker = await started_blocker(pool, workspace)
     [running] = pool.running()
-    tokens = [w.token for w in pool._workers.values()] + ["", "x", "1.1"]
+    tokens = [w.token for w in pool._workers.by_token.values()] + ["", "x", "1.1"]
     valid = [
         encoder.encode(Ready(token=rng.choice(tokens))),
         encoder.encode(Result(call_id=running["call_id"], status="ok", value={"a": 1})),

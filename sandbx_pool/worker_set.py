@@ -1,0 +1,192 @@
+"""The pool's workers and the calls waiting for one: which call gets which worker, how many
+workers to fork, what each message from the template or a worker means for them.
+
+Decisions only, all synchronous: methods update state and return; the pool does the I/O
+(sending a call, signalling a group) afterwards. So the scheduling can be read, and tested,
+without the event loop's other business in the way.
+
+A worker's life here: STARTING (the template forked it) -> IDLE (its pid is known from the
+template's Spawned and it has connected with Ready, in either order) -> BUSY (a call took it)
+-> gone (the template reaped it), or QUARANTINED when it would not die after SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections import deque
+from collections.abc import Callable
+
+from loguru import logger
+
+from sandbx_pool.call_state import CallState
+from sandbx_pool.worker_handle import Worker, WorkerState
+from workers.protocol import Exited, Ready, Spawned
+
+#: Readies that arrived before the template's Spawned for their token, kept until it comes.
+#: Bounded, so that a flood of forged Readies cannot grow the coordinator's memory.
+MAX_EARLY_READY = 1024
+
+
+class WorkerSet:
+    def __init__(self, *, max_workers: int, prefork: int, spawn: Callable[[int], None]) -> None:
+        self.max_workers = max_workers
+        self.prefork = prefork
+        self._spawn = spawn
+        #: False until the pool is open, and again once it closes or loses its template.
+        self.forking = False
+        self.by_token: dict[str, Worker] = {}
+        self.by_pid: dict[int, Worker] = {}
+        self.idle: deque[Worker] = deque()
+        self.waiting: deque[CallState] = deque()
+        self.busy = 0
+        self.starting = 0
+        self._early_ready: dict[str, int | None] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"Calls: {self.busy} active, {len(self.waiting)} queued | Workers: "
+            f"{len(self.idle)} idle, {self.starting} starting, {len(self.quarantined())} stuck"
+        )
+
+    def quarantined(self) -> list[Worker]:
+        return [w for w in self.by_token.values() if w.state is WorkerState.QUARANTINED]
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    def enqueue(self, call: CallState) -> None:
+        """``call`` wants a worker: ``call.assigned`` resolves when it has one."""
+        self.waiting.append(call)
+        self.assign()
+        self.replenish(eager=False)
+
+    def withdraw(self, call: CallState) -> None:
+        """``call`` was killed while waiting; if a worker was assigned meanwhile, keep it."""
+        if call.assigned.done():
+            # The worker never saw the call: it serves the next one.
+            worker = call.assigned.result()
+            self.busy -= 1
+            worker.state = WorkerState.IDLE
+            self.idle.appendleft(worker)
+            self.assign()
+            return
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(call)
+
+    def assign(self) -> None:
+        while self.waiting and self.idle and self.busy < self.max_workers:
+            call = self.waiting.popleft()
+            worker = self.idle.popleft()
+            worker.state = WorkerState.BUSY
+            self.busy += 1
+            call.assigned.set_result(worker)
+
+    def replenish(self, *, eager: bool = True) -> None:
+        """Ask the template for the workers we lack.
+
+        Workers are wanted for the queued calls that could run now (``workers`` bounds how many
+        are busy: a queue of 300 behind 4 busy workers needs none yet) plus spares: ``eager``
+        (a call just finished, a worker exited) keeps ``prefork`` spares; not eager (a call is
+        being dispatched) keeps one, and the rest waits until the call is done, because a fork
+        and a worker's start-up compete for the same cores as the call being served.
+        """
+        if not self.forking:
+            return
+        runnable = min(len(self.waiting), self.max_workers - self.busy)
+        spares = min(self.prefork, self.max_workers)
+        wanted = runnable + (spares if eager else min(spares, 1))
+        missing = wanted - len(self.idle) - self.starting
+        if missing > 0:
+            self.starting += missing
+            self._spawn(missing)
+
+    def release(self, worker: Worker) -> None:
+        """The call ``worker`` served is over (answered, killed or quarantined)."""
+        worker.call = None
+        if worker.exited.done():
+            self.by_token.pop(worker.token, None)
+        self.busy -= 1
+        self.assign()
+        self.replenish()
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def get(self, token: str) -> Worker | None:
+        return self.by_token.get(token)
+
+    def _worker(self, token: str) -> Worker:
+        worker = self.by_token.get(token)
+        if worker is None:
+            worker = Worker(token, asyncio.get_running_loop())
+            self.by_token[token] = worker
+        return worker
+
+    def on_ready(
+        self, identity: bytes, message: Ready, known: Worker | None, peer_pid: int | None
+    ) -> None:
+        if message.token.encode() != identity:
+            logger.warning("dropped a Ready whose token does not match its identity")
+            return
+        if known is None:
+            # Before the template's Spawned (they travel separately) or forged: keep who sent
+            # it until Spawned says which process the token belongs to.
+            self._early_ready[message.token] = peer_pid
+            while len(self._early_ready) > MAX_EARLY_READY:
+                self._early_ready.pop(next(iter(self._early_ready)))
+            return
+        self._accept_ready(known, peer_pid)
+
+    def _accept_ready(self, worker: Worker, peer_pid: int | None) -> None:
+        # A stranger may connect first under a token not yet in use; the connection's pid
+        # (SO_PEERCRED) must be the one the template forked for it.
+        if peer_pid is not None and peer_pid != worker.pid:
+            logger.warning("dropped a Ready for worker {} sent by process {}", worker.pid, peer_pid)
+            return
+        worker.ready = True
+        self._maybe_idle(worker)
+
+    def on_spawned(self, message: Spawned) -> None:
+        worker = self._worker(message.token)
+        worker.watch(message.pid)
+        self.by_pid[message.pid] = worker
+        if message.token in self._early_ready:
+            self._accept_ready(worker, self._early_ready.pop(message.token))
+        self._maybe_idle(worker)
+
+    def on_exited(self, message: Exited) -> None:
+        if message.pid not in self.by_pid:
+            return
+        worker = self.by_pid.pop(message.pid)
+        if worker.call is None:
+            # With a call in flight, keep it findable: its Result may still be on its way.
+            self.by_token.pop(worker.token, None)
+        if worker.state is WorkerState.STARTING:
+            self.starting -= 1
+        elif worker.state is WorkerState.IDLE:
+            with contextlib.suppress(ValueError):
+                self.idle.remove(worker)
+        elif worker.state is WorkerState.QUARANTINED:
+            logger.info("stuck worker {} finally exited ({})", worker.pid, message.returncode)
+        worker.mark_exited(message.returncode)
+        self.replenish()
+
+    def _maybe_idle(self, worker: Worker) -> None:
+        if worker.state is WorkerState.STARTING and worker.ready and worker.pid is not None:
+            self.starting -= 1
+            worker.state = WorkerState.IDLE
+            self.idle.append(worker)
+            self.assign()
+
+    def on_template_lost(self) -> None:
+        """No more forks, and every worker is gone with the template (PDEATHSIG)."""
+        self.forking = False
+        for worker in list(self.by_token.values()):
+            worker.signal_group(signal.SIGKILL)
+            worker.mark_exited(-signal.SIGKILL)
+
+    def kill_all(self) -> None:
+        """SIGKILL every worker's group, except those already stuck in the kernel."""
+        for worker in list(self.by_token.values()):
+            if worker.state is not WorkerState.QUARANTINED:
+                worker.signal_group(signal.SIGKILL)
