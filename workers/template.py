@@ -34,7 +34,7 @@ import msgspec
 
 import workers.runtime  # preloaded so that each fork starts warm
 import workers.tools
-from workers import containment
+from workers import bare_fork, containment, sandbox
 from workers.protocol import (
     Exited,
     Result,
@@ -127,7 +127,7 @@ class Template:
         if self.namespaces is not None:
             self.namespaces.enter_new()
         try:
-            pid = os.fork()
+            pid = bare_fork.fork()
         except BaseException:
             if self.namespaces is not None:
                 self.namespaces.leave()
@@ -222,9 +222,10 @@ def warm_up() -> None:
     """Do once, here, the work every worker would otherwise repeat after its fork.
 
     msgspec builds a type's validation info on first use (annotation evaluation, a few ms);
-    doing it before forking means each worker inherits it. gc.freeze() then moves every object
-    to a generation the collector never scans, so a worker's collections do not touch (and
-    copy-on-write) the template's pages.
+    doing it before forking means each worker inherits it, as it inherits the confinement's
+    fixed Landlock rules, opened once here (workers.sandbox.preload). gc.freeze() then moves
+    every object to a generation the collector never scans, so a worker's collections do not
+    touch (and copy-on-write) the template's pages.
     """
     samples: dict[str, dict[str, object]] = {
         "read": {"path": "x"},
@@ -238,6 +239,7 @@ def warm_up() -> None:
     for tool, args in samples.items():
         parse_args(tool, args)
     encoder.encode(Result(call_id="", status="ok", value={}))
+    sandbox.preload()
     gc.collect()
     gc.freeze()
 

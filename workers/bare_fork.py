@@ -1,0 +1,45 @@
+"""fork() without Python's after-fork callbacks: the template's way of making a worker.
+
+``os.fork()`` runs, in every child, the callbacks registered with ``os.register_at_fork``:
+``threading`` rebuilds its thread table and ``random`` reseeds itself. They are Python code, so
+in a child of the template they write to a few hundred of the template's shared pages, and each
+first write copies a page. Measured on this kind of machine (2 vCPUs, VM): 160-200 page faults
+and 1.0-1.4 ms of CPU per worker, a tenth of what a whole worker costs, spent on state a worker
+never uses. (``python -m bench.forkfloor`` shows the two side by side.)
+
+Calling libc's fork() through ``ctypes.PyDLL`` (which keeps the GIL held across the call) skips
+them, and is sound here because of what the template guarantees:
+
+* it is single-threaded, so no lock (the GIL's, the import lock, a ``threading.Lock``) can be
+  held by a thread that does not exist in the child, which is what the skipped re-inits repair;
+* a worker never starts a Python thread, never uses ``random`` (tokens and temp names come from
+  ``os.urandom``/``secrets``, which read the kernel), and never returns into the template's
+  code: it leaves with ``os._exit``;
+* glibc's own pthread_atfork handlers (malloc's locks) still run: only Python's are skipped.
+
+Python's after-fork work also clears signals that were pending in the template. Skipping it
+means such a signal's handler may run once in the child, before the child resets it: the
+template's handlers only wake its loop (they are no-ops in Python), so that run is harmless.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+_pylibc = ctypes.PyDLL(None, use_errno=True)
+_fork = _pylibc.fork
+_fork.restype = ctypes.c_int
+_fork.argtypes = []
+
+
+def fork() -> int:
+    """Like ``os.fork()`` (0 in the child, the child's pid in the parent), minus the callbacks."""
+    pid = int(_fork())
+    if pid < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"fork: {os.strerror(code)}")
+    return pid
+
+
+__all__ = ["fork"]
