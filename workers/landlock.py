@@ -126,6 +126,31 @@ def has_scoping(abi: int) -> bool:
     return abi >= 6
 
 
+class PathBeneath:
+    """A path opened for a rule (O_PATH: it grants nothing by itself), and the rights to grant
+    beneath it, those a regular file cannot have already masked off."""
+
+    __slots__ = ("fd", "rights")
+
+    def __init__(self, fd: int, rights: int) -> None:
+        self.fd = fd
+        self.rights = rights
+
+    @classmethod
+    def open(cls, path: str, rights: int) -> PathBeneath | None:
+        """None when the path cannot be opened (missing, say): there is nothing to grant."""
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return None
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            rights &= FILE_RIGHTS
+        return cls(fd, rights)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class Ruleset:
     """A ruleset being built: what it handles (denies unless a rule grants it), then rules.
 
@@ -147,27 +172,28 @@ class Ruleset:
 
     def allow_path(self, path: str, rights: int) -> bool:
         """Grant ``rights`` beneath ``path``; False (nothing granted) if we cannot open it."""
-        try:
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
+        beneath = PathBeneath.open(path, rights)
+        if beneath is None:
             return False
         try:
-            if not stat.S_ISDIR(os.fstat(fd).st_mode):
-                rights &= FILE_RIGHTS
-            rights &= self.handled_fs
-            if rights:
-                attr = _PathBeneathAttr(rights, fd)
-                _call(
-                    f"landlock_add_rule({path})",
-                    _SYS_ADD_RULE,
-                    self.fd,
-                    _RULE_PATH_BENEATH,
-                    ctypes.byref(attr),
-                    0,
-                )
+            self.allow(beneath)
         finally:
-            os.close(fd)
+            beneath.close()
         return True
+
+    def allow(self, beneath: PathBeneath) -> None:
+        """Grant a rule whose path is open already (what this ruleset handles of it)."""
+        rights = beneath.rights & self.handled_fs
+        if rights:
+            attr = _PathBeneathAttr(rights, beneath.fd)
+            _call(
+                "landlock_add_rule",
+                _SYS_ADD_RULE,
+                self.fd,
+                _RULE_PATH_BENEATH,
+                ctypes.byref(attr),
+                0,
+            )
 
     def restrict_self(self) -> None:
         """Enforce the ruleset on the calling thread and what it starts from now on.

@@ -34,7 +34,7 @@ from workers.protocol import (
     encoder,
 )
 from workers.schemas import UnknownTool, parse_args
-from workers.tools import WORKER_ACTIONS
+from workers.tools import RUNS_PROGRAMS, WORKER_ACTIONS
 
 #: Exit status of an idle worker whose template died (nobody will ever send it a call).
 EXIT_ORPHANED = 75
@@ -212,7 +212,7 @@ def serve(token: str, endpoint: str, template_pidfd: int) -> None:
     call = call_decoder.decode(sock.recv())
     confinement = None
     try:
-        confinement = sandbox.confine(call, prepared)
+        confinement = sandbox.confine(call, prepared, runs_programs=call.tool in RUNS_PROGRAMS)
     except sandbox.SandboxError as exc:
         result = Result(call_id=call.context.call_id, status="error", error=str(exc))
     else:

@@ -8,18 +8,20 @@ kernel's, set up by the worker itself in two stages::
     connect --> Ready --> Call
     |
     confine(call)           after the Call arrived (the connection is up), before the tool:
-    |   TMPDIR              a private directory for this call, set in bash's environment
+    |   TMPDIR *            a private directory for this call, set in bash's environment
     |   no_new_privs        nothing exec'd gains privileges (setuid bits, file capabilities)
-    |   mounts              a mount namespace of its own: a /proc that shows only the call's
+    |   mounts *            a mount namespace of its own: a /proc that shows only the call's
     |                       processes, an empty mount over the coordinator's socket directory
-    |   network = false     a network namespace of its own
-    |   capabilities        programs exec'd get a container's default set: no ptrace, no
+    |   network = false *   a network namespace of its own
+    |   capabilities *      programs exec'd get a container's default set: no ptrace, no
     |                       mount, no module loading, no device nodes
     |   run_as              setgroups, setgid, setuid
     |   non-dumpable        the worker's memory (the call's secret) is closed to its commands
     |   Landlock            filesystem rules, TCP rules, signal and abstract socket scoping
     v
     tool --> Result --> release(): remove TMPDIR
+
+    * only for a tool that runs programs (bash): see confine()
 
 The mount namespace is made per call, not while idle: a copy of the mount table taken before
 the call would hide whatever was mounted since (the NFS share, the FUSE mount the call is about).
@@ -104,53 +106,102 @@ class Confinement:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
+class Preloaded:
+    """What every worker's prepare() needs and no call changes: the capability count, and the
+    fixed rules' paths opened (O_PATH, close-on-exec, so bash never holds them). Computed once,
+    in the template (``preload``), and inherited by every worker through the fork: a worker
+    then adds each fixed rule with one system call instead of opening its path again."""
+
+    def __init__(self, last_cap: int, fixed: list[tuple[str, int]]) -> None:
+        self.last_cap = last_cap
+        self._fixed = fixed
+        self._opened: list[landlock.PathBeneath] | None = None
+        if landlock.abi_version() > 0:
+            self._opened = self._open()
+
+    def take_rules(self) -> list[landlock.PathBeneath]:
+        """The fixed rules, opened, for the caller to close: the inherited descriptors the
+        first time (so that they do not count against the call's open-files limit), freshly
+        opened ones after that."""
+        rules, self._opened = self._opened, None
+        return rules if rules is not None else self._open()
+
+    def _open(self) -> list[landlock.PathBeneath]:
+        return [r for path, rights in self._fixed if (r := landlock.PathBeneath.open(path, rights))]
+
+
+_preloaded: Preloaded | None = None
+
+
+def preload() -> Preloaded:
+    """Compute (once per process) what prepare() shares; the template calls it before forking."""
+    global _preloaded
+    if _preloaded is None:
+        try:
+            with open("/proc/sys/kernel/cap_last_cap") as f:
+                last_cap = int(f.read())
+        except OSError:
+            last_cap = 40
+        fixed: list[tuple[str, int]] = [(path, _READ) for path in _fixed_read_only()]
+        fixed += [("/sys", _PROC), *((device, _DEVICE) for device in DEVICES)]
+        _preloaded = Preloaded(last_cap, fixed)
+    return _preloaded
+
+
 def prepare() -> Prepared:
     """Build what every call's confinement shares, so that the call does not wait for it."""
-    try:
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            last_cap = int(f.read())
-    except OSError:
-        last_cap = 40
-    _rehearse(last_cap)
+    preloaded = preload()
+    _rehearse()
     if landlock.abi_version() == 0:
-        return Prepared(None, last_cap)
+        return Prepared(None, preloaded.last_cap)
     try:
         ruleset = landlock.Ruleset(handled_fs=landlock.fs_rights(99), scoped=_SCOPES)
     except OSError:
-        return Prepared(None, last_cap)  # confine() tries again and reports the failure
+        return Prepared(None, preloaded.last_cap)  # confine() tries again, reports the failure
+    rules = preloaded.take_rules()
     try:
-        for path in dict.fromkeys([*SYSTEM_READ_ONLY, *_python_dirs()]):
-            ruleset.allow_path(path, _READ)
-        ruleset.allow_path("/sys", _PROC)
-        for device in DEVICES:
-            ruleset.allow_path(device, _DEVICE)
+        for rule in rules:
+            ruleset.allow(rule)
     except OSError:
         ruleset.close()
-        return Prepared(None, last_cap)
-    return Prepared(ruleset, last_cap)
+        return Prepared(None, preloaded.last_cap)
+    finally:
+        for rule in rules:
+            rule.close()
+    return Prepared(ruleset, preloaded.last_cap)
 
 
-def _rehearse(last_cap: int) -> None:
+def _fixed_read_only() -> list[str]:
+    return list(dict.fromkeys([*SYSTEM_READ_ONLY, *_python_dirs()]))
+
+
+def _rehearse() -> None:
     """Walk confine()'s Python paths with no effect, so that their first-use costs (ctypes
     conversions, copy-on-write faults on the template's pages) are paid while idle."""
     ctx = ExecutionContext(call_id="", workspace="/", cwd="/", env={"PATH": os.defpath})
     msgspec.structs.replace(ctx, env={**ctx.env, "TMPDIR": secrets.token_hex(8)})
     _within("/", _readable(ctx))
-    for cap in range(last_cap + 1):
-        _prctl(_PR_CAPBSET_READ, cap)
+    _prctl(_PR_CAPBSET_READ, 0)  # one call warms the path; the loop itself costs nothing more
     _prctl(_PR_GET_NO_NEW_PRIVS, 0)
     os.path.realpath("/")
 
 
-def confine(call: Call, prepared: Prepared) -> Confinement:
+def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confinement:
     """Restrict this process, and everything it starts, for ``call``. Irreversible.
+
+    ``runs_programs`` (bash) gets every step. A file tool runs only our own code, which checks
+    each path it opens (workers.paths), starts nothing and opens no socket, so the steps that
+    only bound what an exec'd program can do (TMPDIR, the mount namespace, the network, the
+    capability bounding set) would cost it a millisecond of a call for nothing: it gets
+    no_new_privs, run_as, non-dumpable and the Landlock filesystem rules, a second line behind
+    its own checks.
 
     Raises SandboxError when the configuration asks for something this machine cannot enforce
     or a step fails; the tool must then not run.
     """
     ctx = call.context
     box = ctx.sandbox
-    tmpdir = _make_tmpdir(box, ctx.call_id)
+    tmpdir = _make_tmpdir(box, ctx.call_id) if runs_programs else None
     try:
         if tmpdir is not None:
             env = {**ctx.env, "TMPDIR": tmpdir}
@@ -161,10 +212,13 @@ def confine(call: Call, prepared: Prepared) -> Confinement:
                 env["HOME"] = tmpdir
             call = msgspec.structs.replace(call, context=msgspec.structs.replace(ctx, env=env))
         _check(_prctl(_PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
-        _private_mounts(box.hidden, [ctx.workspace, ctx.cwd, tmpdir, *box.writable])
-        network_namespace = not box.network and _libc.unshare(_CLONE_NEWNET) == 0
-        rulesets = _rulesets(call.context, tmpdir, prepared, network_namespace)
-        _drop_capabilities(prepared.last_cap, keep_net_raw=box.network)
+        network_namespace = False
+        if runs_programs:
+            _private_mounts(box.hidden, [ctx.workspace, ctx.cwd, tmpdir, *box.writable])
+            network_namespace = not box.network and _libc.unshare(_CLONE_NEWNET) == 0
+        rulesets = _rulesets(call.context, tmpdir, prepared, network_namespace, runs_programs)
+        if runs_programs:
+            _drop_capabilities(prepared.last_cap, keep_net_raw=box.network)
         if box.uid is not None:
             os.setgroups(list(box.groups))
             os.setgid(box.gid if box.gid is not None else box.uid)
@@ -301,12 +355,16 @@ def _readable(ctx: ExecutionContext) -> list[str]:
 
 
 def _rulesets(
-    ctx: ExecutionContext, tmpdir: str | None, prepared: Prepared, network_namespace: bool
+    ctx: ExecutionContext,
+    tmpdir: str | None,
+    prepared: Prepared,
+    network_namespace: bool,
+    runs_programs: bool,
 ) -> list[landlock.Ruleset]:
     """The Landlock domains to enter, rules added; none where Landlock is absent."""
     box = ctx.sandbox
     abi = landlock.abi_version()
-    offline = not box.network
+    offline = not box.network and runs_programs  # a file tool opens no socket
     if offline and not network_namespace and not landlock.has_net_rules(abi):
         raise SandboxError(
             "network = false cannot be enforced here: no Landlock network rules "
@@ -321,8 +379,9 @@ def _rulesets(
             raise OSError("cannot build the Landlock ruleset")
         prepared.ruleset = None
         rulesets.append(ruleset)
-        fixed = [*SYSTEM_READ_ONLY, *_python_dirs()]
-        for path in dict.fromkeys([*_program_dirs(ctx.env), *box.read_only]):
+        fixed = _fixed_read_only()
+        programs = _program_dirs(ctx.env) if runs_programs else []
+        for path in dict.fromkeys([*programs, *box.read_only]):
             if not _within(path, fixed):  # /usr/bin is granted with /usr already
                 ruleset.allow_path(path, _READ)
         ruleset.allow_path("/proc", _PROC)  # after the mounts: the private /proc, if any
@@ -346,4 +405,4 @@ def _rulesets(
     return rulesets
 
 
-__all__ = ["Confinement", "Prepared", "SandboxError", "confine", "prepare"]
+__all__ = ["Confinement", "Preloaded", "Prepared", "SandboxError", "confine", "preload", "prepare"]

@@ -28,7 +28,11 @@ TOOLS: dict[str, ToolFunction] = {
     "bash": run_bash,
 }
 
+#: The tools that start programs: only these get the confinement steps that bound what an
+#: exec'd program can do (workers.sandbox.confine). The others run only our own code.
+RUNS_PROGRAMS = frozenset({"bash"})
+
 #: Every action a worker can run: the tools plus the coordinator's internal ones.
 WORKER_ACTIONS: dict[str, ToolFunction] = {**TOOLS, "_remove_temps": remove_temps}
 
-__all__ = ["TOOLS", "WORKER_ACTIONS", "ToolFunction"]
+__all__ = ["RUNS_PROGRAMS", "TOOLS", "WORKER_ACTIONS", "ToolFunction"]
