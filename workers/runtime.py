@@ -1,6 +1,7 @@
 """The life of one worker, from the moment the template forked it: one call, then exit.
 
-    connect DEALER -> send Ready -> receive Call -> confine (workers.sandbox) -> apply limits
+    rehearse -> prepare the confinement -> connect DEALER -> send Ready -> receive Call
+    -> confine (workers.sandbox) -> apply limits
     -> run the tool -> kill whatever the tool left running -> send Result -> exit
 
 The worker makes its own ZeroMQ context here, after the fork: a context never crosses a fork.
@@ -191,14 +192,18 @@ def serve(token: str, endpoint: str, template_pidfd: int) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     # One short call: the collector would only copy-on-write the template's pages.
     gc.disable()
+    # Copy-on-write first, threads after. Each first write to a template page replaces a page
+    # table entry, and once ZeroMQ's threads exist the kernel must flush the other CPU's TLB
+    # for it (an IPI, costly in a VM): the rehearsal's and the ruleset's faults are cheaper
+    # while we are still single-threaded.
+    warm_up()
+    prepared = sandbox.prepare()
     context = zmq.Context(io_threads=1)
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, token.encode())
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.LINGER, SEND_LINGER_MS)
     sock.connect(endpoint)
-    warm_up()
-    prepared = sandbox.prepare()
     sock.send(encoder.encode(Ready(token=token)))
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
