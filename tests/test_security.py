@@ -36,6 +36,7 @@ from sandbx_pool.config import load_config
 from sandbx_pool.errors import ConfigError
 from workers import landlock
 from workers.protocol import MAX_MESSAGE_BYTES, Ready, Result, encoder
+from workers.sandbox import remove_tree
 from workers.template import CONTAINMENT_ENV
 
 SECRET = "ssh-key-that-must-not-leak"
@@ -158,6 +159,24 @@ async def test_a_killed_calls_tmpdir_goes_with_the_pool(workspace: Path, tmp_pat
         tmpdir = (workspace / "t").read_text().strip()
         assert exists(tmpdir)
     assert not exists(tmpdir)
+
+
+def test_a_tmpdir_is_removed_without_following_its_links(tmp_path: Path) -> None:
+    # What bash leaves in its TMPDIR is the call's: links out of it must go, not their targets.
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    (outside / "file").write_text("keep")
+    tmpdir = tmp_path / "tmpdir"
+    (tmpdir / "a" / "b").mkdir(parents=True)
+    (tmpdir / "a" / "b" / "f").write_text("x")
+    (tmpdir / "a" / "to_dir").symlink_to(outside / "dir")
+    (tmpdir / "to_file").symlink_to(outside / "file")
+    os.mkfifo(tmpdir / "a" / "fifo")
+    remove_tree(str(tmpdir))
+    assert not tmpdir.exists()
+    assert (outside / "file").read_text() == "keep"
+    assert (outside / "dir").is_dir()
+    remove_tree(str(tmpdir))  # gone already: nothing to do, no error
 
 
 async def test_a_call_that_cannot_be_confined_does_not_run(pool: Pool, workspace: Path) -> None:

@@ -40,8 +40,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import secrets
-import shutil
 import sys
 
 import msgspec
@@ -103,7 +101,7 @@ class Confinement:
     def release(self) -> None:
         """Remove the call's TMPDIR (what a killed worker leaves, the pool removes on close)."""
         if self.tmpdir is not None:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            remove_tree(self.tmpdir)
 
 
 class Preloaded:
@@ -179,7 +177,7 @@ def _rehearse() -> None:
     """Walk confine()'s Python paths with no effect, so that their first-use costs (ctypes
     conversions, copy-on-write faults on the template's pages) are paid while idle."""
     ctx = ExecutionContext(call_id="", workspace="/", cwd="/", env={"PATH": os.defpath})
-    msgspec.structs.replace(ctx, env={**ctx.env, "TMPDIR": secrets.token_hex(8)})
+    msgspec.structs.replace(ctx, env={**ctx.env, "TMPDIR": os.urandom(8).hex()})
     _within("/", _readable(ctx))
     _prctl(_PR_CAPBSET_READ, 0)  # one call warms the path; the loop itself costs nothing more
     _prctl(_PR_GET_NO_NEW_PRIVS, 0)
@@ -230,7 +228,7 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             ruleset.restrict_self()
     except (OSError, SandboxError) as exc:
         if tmpdir is not None:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+            remove_tree(tmpdir)
         if isinstance(exc, SandboxError):
             raise
         raise SandboxError(f"cannot confine the call: {exc}") from exc
@@ -238,6 +236,42 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
 
 
 # -- the steps ---------------------------------------------------------------------------------
+
+
+_DIRECTORY_ONLY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: str) -> None:
+    """``shutil.rmtree(path, ignore_errors=True)``, descriptor-based like it: a symlink the call
+    left is removed, never followed. Not shutil itself: importing it loads zlib, bz2 and lzma
+    into the template, and every worker pays for their pages."""
+    try:
+        fd = os.open(path, _DIRECTORY_ONLY)
+    except OSError:
+        return
+    try:
+        _remove_contents(fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def _remove_contents(dir_fd: int) -> None:
+    children: list[tuple[str, bool]] = []
+    with contextlib.suppress(OSError), os.scandir(dir_fd) as entries:
+        children = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+    for name, is_dir in children:
+        with contextlib.suppress(OSError):
+            if not is_dir:
+                os.unlink(name, dir_fd=dir_fd)
+                continue
+            fd = os.open(name, _DIRECTORY_ONLY, dir_fd=dir_fd)
+            try:
+                _remove_contents(fd)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=dir_fd)
 
 
 def _check(result: int, what: str) -> None:
@@ -270,7 +304,7 @@ def _make_tmpdir(box: Sandbox, call_id: str) -> str | None:
         return None
     safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in call_id)[:64]
     # A random part, so that a call cannot guess (and remove) another call's TMPDIR.
-    path = os.path.join(box.tmp_root, f"{safe_id}-{secrets.token_hex(8)}")
+    path = os.path.join(box.tmp_root, f"{safe_id}-{os.urandom(8).hex()}")
     try:
         os.mkdir(path, 0o700)
         if box.uid is not None:

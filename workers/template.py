@@ -17,11 +17,9 @@ signal wakeup fd, never by polling.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import os
-import secrets
 import select
 import selectors
 import signal
@@ -122,7 +120,7 @@ class Template:
 
     def fork_worker(self) -> None:
         # Unguessable, so that nobody can connect first under a future worker's identity.
-        token = f"{self.next_token}.{secrets.token_hex(8)}"
+        token = f"{self.next_token}.{os.urandom(8).hex()}"
         self.next_token += 1
         if self.namespaces is not None:
             self.namespaces.enter_new()
@@ -244,23 +242,36 @@ def warm_up() -> None:
     gc.freeze()
 
 
+#: The flags sandbx_pool.template passes, each as ``--name=value``.
+OPTIONS = ("control-fd", "endpoint", "parent-pid")
+
+
+def parse_options(argv: list[str]) -> dict[str, str]:
+    """Every one of OPTIONS, and nothing else. Not argparse: every worker inherits what the
+    template imports, and pays for its pages."""
+    options: dict[str, str] = {}
+    for arg in argv:
+        name, _, value = arg.removeprefix("--").partition("=")
+        options[name] = value
+    if sorted(options) != sorted(OPTIONS) or not all(options.values()):
+        flags = " ".join(f"--{name}=..." for name in OPTIONS)
+        raise SystemExit(f"usage: python -m workers.template {flags}")
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="workers.template")
-    parser.add_argument("--control-fd", type=int, required=True)
-    parser.add_argument("--endpoint", required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    args = parser.parse_args(argv)
+    options = parse_options(sys.argv[1:] if argv is None else argv)
     # SIGTERM, not SIGKILL: when the coordinator dies we must outlive it by a moment, to kill
     # the workers and (subreaper mode) sweep what they leave; dying at once would hand those
     # orphans to init. Until run() handles it, SIGTERM's default action ends us, which is right:
     # there is no worker yet.
     containment.set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != args.parent_pid:  # the coordinator died before PDEATHSIG was armed
+    if os.getppid() != int(options["parent-pid"]):  # the coordinator died before PDEATHSIG
         return 1
     containment.set_child_subreaper()
     warm_up()
-    control = socket.socket(fileno=args.control_fd)
-    Template(control, args.endpoint).run()
+    control = socket.socket(fileno=int(options["control-fd"]))
+    Template(control, options["endpoint"]).run()
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import secrets
 import stat
 from collections.abc import Iterator
 
@@ -77,7 +76,7 @@ def replace_in(dir_fd: int, name: str, data: bytes, display: str) -> bool:
         raise ToolError(f"{display} is not a regular file")
 
     stem = os.fsdecode(os.fsencode(name)[:_MAX_TEMP_STEM])
-    temp = f".{stem}{TEMP_MARKER}{secrets.token_hex(4)}"
+    temp = f".{stem}{TEMP_MARKER}{os.urandom(4).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     # 0o666 minus the umask for a new file, as open() would do.
     fd = os.open(temp, flags, 0o666, dir_fd=dir_fd)
