@@ -215,14 +215,16 @@ def serve(token: str, endpoint: str, template_pidfd: int) -> None:
         if template_pidfd in events:
             os._exit(EXIT_ORPHANED)
     call = call_decoder.decode(sock.recv())
+    runs_programs = call.tool in RUNS_PROGRAMS
     confinement = None
     try:
-        confinement = sandbox.confine(call, prepared, runs_programs=call.tool in RUNS_PROGRAMS)
+        confinement = sandbox.confine(call, prepared, runs_programs=runs_programs)
     except sandbox.SandboxError as exc:
         result = Result(call_id=call.context.call_id, status="error", error=str(exc))
     else:
         result = run_call(confinement.call)
-    containment.kill_descendants()
+    if runs_programs:  # the other tools start nothing
+        containment.kill_descendants()
     if terminated:
         # The coordinator is stopping this call and will not read a Result: what it waits
         # for is our exit, so skip the answer and the socket teardown.

@@ -110,9 +110,16 @@ class Preloaded:
     in the template (``preload``), and inherited by every worker through the fork: a worker
     then adds each fixed rule with one system call instead of opening its path again."""
 
-    def __init__(self, last_cap: int, fixed: list[tuple[str, int]]) -> None:
+    def __init__(self, last_cap: int, read_only_roots: list[str]) -> None:
         self.last_cap = last_cap
-        self._fixed = fixed
+        #: Read-only for every call (the system's directories and Python's): a PATH entry
+        #: beneath one of them needs no rule of its own.
+        self.read_only_roots = read_only_roots
+        self._fixed = [(path, _READ) for path in read_only_roots]
+        # The host's /proc: a file tool's own checks read /proc/self/fd. bash gets a private
+        # /proc mounted over it, another filesystem, which confine() grants again.
+        self._fixed += [("/proc", _PROC), ("/sys", _PROC)]
+        self._fixed += [(device, _DEVICE) for device in DEVICES]
         self._opened: list[landlock.PathBeneath] | None = None
         if landlock.abi_version() > 0:
             self._opened = self._open()
@@ -140,9 +147,8 @@ def preload() -> Preloaded:
                 last_cap = int(f.read())
         except OSError:
             last_cap = 40
-        fixed: list[tuple[str, int]] = [(path, _READ) for path in _fixed_read_only()]
-        fixed += [("/sys", _PROC), *((device, _DEVICE) for device in DEVICES)]
-        _preloaded = Preloaded(last_cap, fixed)
+        roots = list(dict.fromkeys([*SYSTEM_READ_ONLY, *_python_dirs()]))
+        _preloaded = Preloaded(last_cap, roots)
     return _preloaded
 
 
@@ -169,10 +175,6 @@ def prepare() -> Prepared:
     return Prepared(ruleset, preloaded.last_cap)
 
 
-def _fixed_read_only() -> list[str]:
-    return list(dict.fromkeys([*SYSTEM_READ_ONLY, *_python_dirs()]))
-
-
 def _rehearse() -> None:
     """Walk confine()'s Python paths with no effect, so that their first-use costs (ctypes
     conversions, copy-on-write faults on the template's pages) are paid while idle."""
@@ -182,6 +184,9 @@ def _rehearse() -> None:
     _prctl(_PR_CAPBSET_READ, 0)  # one call warms the path; the loop itself costs nothing more
     _prctl(_PR_GET_NO_NEW_PRIVS, 0)
     os.path.realpath("/")
+    rule = landlock.PathBeneath.open("/", _WRITE)
+    if rule is not None:
+        rule.close()
 
 
 def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confinement:
@@ -413,12 +418,13 @@ def _rulesets(
             raise OSError("cannot build the Landlock ruleset")
         prepared.ruleset = None
         rulesets.append(ruleset)
-        fixed = _fixed_read_only()
         programs = _program_dirs(ctx.env) if runs_programs else []
+        roots = preload().read_only_roots
         for path in dict.fromkeys([*programs, *box.read_only]):
-            if not _within(path, fixed):  # /usr/bin is granted with /usr already
+            if not _within(path, roots):  # /usr/bin is granted with /usr already
                 ruleset.allow_path(path, _READ)
-        ruleset.allow_path("/proc", _PROC)  # after the mounts: the private /proc, if any
+        if runs_programs:
+            ruleset.allow_path("/proc", _PROC)  # after the mounts: the private /proc, if any
         for path in (ctx.workspace, *box.writable, *([tmpdir] if tmpdir else [])):
             ruleset.allow_path(path, _WRITE)
         if tmpdir is not None and box.tmp_root is not None:
