@@ -455,8 +455,9 @@ class Pool:
         if call.killer is not None:
             return None
         self._workers.enqueue(call)
-        either: set[asyncio.Future[Any]] = {call.assigned, call.kill_requested}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not call.assigned.done():  # else an idle worker took it: no turn of the loop to wait
+            either: set[asyncio.Future[Any]] = {call.assigned, call.kill_requested}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if call.killer is None:
             return call.assigned.result()
         self._workers.withdraw(call)
