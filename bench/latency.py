@@ -238,11 +238,22 @@ def run(ws: BenchWorkspace, *, calls: int = 400, warmup: int = 50) -> LatencyRes
         if key == "fork" and (memory := procs.memory()) is not None:
             name += f" (RSS {memory.rss_kib / 1024:.0f} MiB)"
         rows.append(LatencyRow(key, name, peer.workers, samples))
-    for key, preload, name in (
-        ("fork-preloaded", True, "the same, from a fresh interpreter with the template's imports"),
-        ("fork-small", False, "the same, from a bare interpreter (small process)"),
+    for key, preload, bare, name in (
+        (
+            "fork-preloaded",
+            True,
+            False,
+            "the same, from a fresh interpreter with the template's imports",
+        ),
+        (
+            "fork-preloaded-bare",
+            True,
+            True,
+            "the same, forked as the template does (libc's fork, no Python after-fork hooks)",
+        ),
+        ("fork-small", False, False, "the same, from a bare interpreter (small process)"),
     ):
         logger.info("latency: fork floor, {}", name)
-        values = fork_floor_elsewhere(path, calls, preload=preload)
+        values = fork_floor_elsewhere(path, calls, preload=preload, bare_fork=bare)
         rows.append(LatencyRow(key, name, None, Samples(values)))
     return LatencyResult(rows, rounds)

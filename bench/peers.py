@@ -181,11 +181,14 @@ class BareFork:
         return None
 
 
-def fork_floor_elsewhere(path: str, count: int, *, preload: bool) -> list[int]:
+def fork_floor_elsewhere(
+    path: str, count: int, *, preload: bool, bare_fork: bool = False
+) -> list[int]:
     """Durations (ns) of the same floor, measured in a fresh interpreter (see bench.forkfloor)."""
     command = [sys.executable, "-m", "bench.forkfloor", str(count), path]
+    command += ["--preload"] * preload + ["--bare-fork"] * bare_fork
     done = subprocess.run(
-        [*command, "--preload"] if preload else command,
+        command,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # where bench/ lives
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@
 in a child of the template they write to a few hundred of the template's shared pages, and each
 first write copies a page. Measured on this kind of machine (2 vCPUs, VM): 160-200 page faults
 and 1.0-1.4 ms of CPU per worker, a tenth of what a whole worker costs, spent on state a worker
-never uses. (``python -m bench.forkfloor`` shows the two side by side.)
+never uses. (`make bench` shows both fork floors side by side.)
 
 Calling libc's fork() through ``ctypes.PyDLL`` (which keeps the GIL held across the call) skips
 them, and is sound here because of what the template guarantees:
