@@ -208,6 +208,32 @@ def test_everything_dies_with_a_sigkilled_coordinator(containment: str, workspac
     )
 
 
+_AFTER_FORK_HOOKS = """
+import os, sys
+from workers import bare_fork
+read_end, write_end = os.pipe()
+os.register_at_fork(after_in_child=lambda: os.write(write_end, b"hook"))
+for fork in (os.fork, bare_fork.fork):
+    pid = fork()
+    if pid == 0:
+        os._exit(7)
+    _, status = os.waitpid(pid, 0)
+    os.write(write_end, b"|%d;" % os.waitstatus_to_exitcode(status))
+os.close(write_end)
+print(os.read(read_end, 100).decode())
+"""
+
+
+def test_the_template_forks_without_pythons_after_fork_hooks() -> None:
+    # os.fork (the control) runs the hooks in the child; bare_fork, the template's fork, must
+    # not, and its child must still run and report its exit status.
+    done = subprocess.run(
+        [sys.executable, "-c", _AFTER_FORK_HOOKS], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "hook|7;|7;"
+
+
 # -- 3. the forking thread ---------------------------------------------------------------------
 
 _ARMED_CHILD = """
