@@ -127,7 +127,7 @@ def _peer_pid() -> bool:
     """Whether ZeroMQ reports a connection's pid (the pool's check on Ready messages)."""
     import zmq
 
-    from sandbx_pool.pool import _peer_pid as peer_pid
+    from sandbx_pool.inbox import peer_pid
 
     directory = tempfile.mkdtemp(prefix="sandbx-doctor-")
     context = zmq.Context()

@@ -16,10 +16,11 @@
 Actors:
 
 * ``TemplateProcess`` forks workers ahead of demand (``prefork``) and reports their exits.
-* The receive task reads the ROUTER socket: ``Ready`` makes a worker idle, ``Result`` completes
-  its call. A message from anyone but the worker a call was dispatched to is dropped: a Ready
-  must come from the pid the template forked for its token, a Result must carry its call's
-  secret, and anything undecodable or of another protocol version is logged and ignored.
+* The ``Inbox`` (the ROUTER socket, read on the loop): ``Ready`` makes a worker idle,
+  ``Result`` completes its call. A message from anyone but the worker a call was dispatched to
+  is dropped: a Ready must come from the pid the template forked for its token, a Result must
+  carry its call's secret, and anything undecodable or of another protocol version is logged
+  and ignored.
 * Each call runs in its own driver task, so that cancelling the caller's task only *requests*
   the kill: the driver finishes the cleanup (shielded) and the caller gets its CancelledError
   back afterwards.
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hmac
 import itertools
 import os
 import shutil
@@ -52,6 +52,7 @@ from sandbx_pool.cancel import CancelCallback, CancelToken
 from sandbx_pool.config import Config, JournalPolicy, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost
 from sandbx_pool.gate import Approver, Gate
+from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import Journal
 from sandbx_pool.journal_records import IntentRecord
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
@@ -60,8 +61,6 @@ from sandbx_pool.template import TemplateProcess
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
 from sandbx_pool.worker_set import WorkerSet
 from workers.protocol import (
-    MAX_MESSAGE_BYTES,
-    PROTOCOL_VERSION,
     Call,
     ExecutionContext,
     Exited,
@@ -71,7 +70,6 @@ from workers.protocol import (
     Sandbox,
     Spawned,
     encoder,
-    worker_decoder,
 )
 from workers.schemas import UnknownTool, parse_args
 
@@ -80,11 +78,6 @@ from workers.schemas import UnknownTool, parse_args
 #: crash, only this brief moment, in case it died right after sending.
 RESULT_IN_FLIGHT_S = 5.0
 CRASH_RESULT_GRACE_S = 0.05
-
-_MiB = 1024 * 1024
-
-
-_STATUSES = frozenset(status.value for status in Status)
 
 
 class PoolState(enum.IntEnum):
@@ -124,13 +117,11 @@ class Pool:
         self.journal: Journal | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runtime_dir: str | None = None
-        self._zmq: zmq.Context[zmq.Socket[bytes]] | None = None
-        self._router: zmq.Socket[bytes] | None = None
-        self._router_fd: int | None = None
         self._template: TemplateProcess | None = None
         self._workers = WorkerSet(
             max_workers=self.max_workers, prefork=self.prefork, spawn=self._spawn
         )
+        self._inbox = Inbox(self._workers.get, self._on_ready)
         self._calls: dict[str, CallState] = {}
         self._drivers: set[asyncio.Task[Outcome]] = set()
         self._ids = itertools.count(1)
@@ -170,16 +161,7 @@ class Pool:
             if self._journal_path is None and self.journal is not None:
                 logger.info("journal: {}", self.journal.path)
             endpoint = f"ipc://{self._runtime_dir}/coordinator.sock"
-            self._zmq = zmq.Context(io_threads=1)
-            self._router = self._zmq.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(endpoint)
-            # A plain socket read from the loop's own reader callback: zmq.asyncio's futures
-            # and poller cost more per message than the whole receive path below.
-            self._router_fd = int(self._router.getsockopt(zmq.FD))
-            self._loop.add_reader(self._router_fd, self._receive)
+            self._inbox.bind(endpoint, self._loop)
             self._template = TemplateProcess(endpoint, self._on_template, self._on_template_lost)
             await self._template.start()
         except BaseException:
@@ -253,12 +235,7 @@ class Pool:
         self._workers.kill_all()
         if self._template is not None:
             await self._template.close()
-        if self._router_fd is not None and self._loop is not None:
-            self._loop.remove_reader(self._router_fd)
-        if self._router is not None:
-            self._router.close(linger=0)
-        if self._zmq is not None:
-            self._zmq.term()
+        self._inbox.close()
         if self.journal is not None:
             await self.journal.close()
         if self._runtime_dir is not None:
@@ -464,7 +441,6 @@ class Pool:
         return None
 
     def _dispatch(self, call: CallState, worker: Worker) -> None:
-        assert self._router is not None
         assert call.context is not None
         call.worker = worker
         worker.call = call
@@ -472,11 +448,7 @@ class Pool:
             Call(tool=call.tool, args=call.raw_args, context=call.context, secret=call.secret)
         )
         try:
-            self._router.send_multipart([worker.identity, message], flags=zmq.NOBLOCK)
-            # ZeroMQ's FD is edge-triggered and a send can consume the edge of a message that
-            # arrived meanwhile: look again once this turn of the loop is over.
-            assert self._loop is not None
-            self._loop.call_soon(self._receive)
+            self._inbox.send(worker.identity, message)
         except zmq.ZMQError as exc:
             # The worker vanished between Ready and now: its exit notice will end the call.
             logger.warning("cannot send call {} to worker {}: {}", call.call_id, worker.pid, exc)
@@ -498,52 +470,6 @@ class Pool:
         return True
 
     # -- events from the workers and the template ----------------------------------------------
-
-    def _receive(self) -> None:
-        """Handle every message waiting on the ROUTER socket (its FD became readable)."""
-        router = self._router
-        if router is None or router.closed:
-            return
-        while int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-            try:
-                self._on_worker_message([f.bytes for f in frames], _peer_pid(frames[-1]))
-            except Exception:  # one bad message must never stop the receive path
-                logger.exception("error while handling a worker message")
-
-    def _on_worker_message(self, frames: list[bytes], peer_pid: int | None = None) -> None:
-        """One message from the ROUTER. Whatever is not a valid message for a live call from
-        the worker it went to is dropped and logged: it never raises, never touches a call.
-
-        ``peer_pid``: the process that opened the connection (None where ZeroMQ cannot say).
-        """
-        if len(frames) != 2:
-            logger.warning("dropped a message of {} frames", len(frames))
-            return
-        identity, payload = frames
-        try:
-            message = worker_decoder.decode(payload)
-        # DecodeError is a ValueError, like the UnicodeDecodeError of a str that is not UTF-8;
-        # a value nested deep enough raises RecursionError.
-        except (ValueError, RecursionError) as exc:
-            logger.warning("dropped an undecodable message ({} bytes): {}", len(payload), exc)
-            return
-        if message.v != PROTOCOL_VERSION:
-            logger.warning("dropped a message of protocol version {!r}", message.v)
-            return
-        worker = self._workers.get(identity.decode(errors="replace"))
-        if isinstance(message, Ready):
-            self._on_ready(identity, message, worker, peer_pid)
-        elif worker is None or worker.call is None:
-            logger.warning("dropped a result from a worker with no call")
-        elif message.call_id != worker.call.call_id:
-            logger.warning("dropped a result for the wrong call from worker {}", worker.pid)
-        elif not hmac.compare_digest(message.secret.encode(), worker.call.secret.encode()):
-            logger.warning("dropped a result without its call's secret (worker {})", worker.pid)
-        elif message.status not in _STATUSES:
-            logger.warning("dropped a result of unknown status {!r}", message.status)
-        elif not worker.call.result.done():
-            worker.call.result.set_result(message)
 
     def _spawn(self, count: int) -> None:
         if self._template is not None:
@@ -574,28 +500,10 @@ class Pool:
             call_id=call.call_id,
             workspace=self.workspace,
             cwd=cwd,
-            env=self._call_env(call.env),
-            limits=call.limits or self._default_limits(),
+            env=self.config.env.for_call(call.env),
+            limits=call.limits or self.config.limits.for_workers(),
             max_output_bytes=self.config.calls.max_output_bytes,
             sandbox=self._sandbox or Sandbox(),
-        )
-
-    def _call_env(self, env: dict[str, str] | None) -> dict[str, str]:
-        """The scrubbed environment: the allowlist from ours, the config's, then the call's."""
-        scrubbed = {k: os.environ[k] for k in self.config.env.allow if k in os.environ}
-        scrubbed.setdefault("PATH", os.defpath)
-        scrubbed.update(self.config.env.set)
-        if env:
-            scrubbed.update(env)
-        return scrubbed
-
-    def _default_limits(self) -> Limits:
-        limits = self.config.limits
-        return Limits(
-            address_space_bytes=_mib(limits.address_space_mb),
-            cpu_seconds=limits.cpu_s,
-            open_files=limits.open_files,
-            file_size_bytes=_mib(limits.file_size_mb),
         )
 
     @property
@@ -624,16 +532,3 @@ class Pool:
             {"pid": w.pid, "wchan": w.wchan, "state": w.proc_state(), "since": w.quarantined_at}
             for w in self._workers.quarantined()
         ]
-
-
-def _peer_pid(frame: zmq.Frame) -> int | None:
-    """The pid of the process that opened the frame's connection: ZeroMQ reads SO_PEERCRED
-    for ipc:// and reports it as the last field of "Peer-Address" (host:uid:gid:pid)."""
-    try:
-        return int(str(frame.get("Peer-Address")).rsplit(":", 1)[1])
-    except (zmq.ZMQError, ValueError, IndexError):
-        return None
-
-
-def _mib(value: int | None) -> int | None:
-    return None if value is None else value * _MiB

@@ -315,7 +315,7 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
     to the call, whose driver has not resumed yet.
     """
     loop = asyncio.get_running_loop()
-    on_template, on_message = pool._on_template, pool._on_worker_message
+    on_template, on_message = pool._on_template, pool._inbox.deliver
     held: list[tuple[Any, ...]] = []
     state = {"spawned": False, "stopped": False}
 
@@ -351,7 +351,7 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
             fire()
 
     pool._on_template = at_template  # type: ignore[method-assign]
-    pool._on_worker_message = at_message  # type: ignore[method-assign,assignment]
+    pool._inbox.deliver = at_message  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("step", STEPS)

@@ -440,15 +440,15 @@ async def test_only_the_calls_secret_completes_it(pool: Pool, workspace: Path) -
     worker = pool._workers.by_pid[running["pid"]]
     frames = lambda result: [worker.identity, encoder.encode(result)]  # noqa: E731
     forged = Result(call_id=running["call_id"], status="ok", value={"stdout": "forged"})
-    pool._on_worker_message(frames(forged), running["pid"])
-    pool._on_worker_message(frames(msgspec.structs.replace(forged, secret="0" * 32)))
+    pool._inbox.deliver(frames(forged), running["pid"])
+    pool._inbox.deliver(frames(msgspec.structs.replace(forged, secret="0" * 32)))
     right = msgspec.structs.replace(forged, secret=secrets_sent[0])
-    pool._on_worker_message(frames(msgspec.structs.replace(right, v=2)))
-    pool._on_worker_message(frames(msgspec.structs.replace(right, status="pwned")))
+    pool._inbox.deliver(frames(msgspec.structs.replace(right, v=2)))
+    pool._inbox.deliver(frames(msgspec.structs.replace(right, status="pwned")))
     await asyncio.sleep(0)
     assert not blocker.done()
     # The control: with the secret, the same message is taken (only the worker has it).
-    pool._on_worker_message(frames(right))
+    pool._inbox.deliver(frames(right))
     outcome = await blocker
     assert outcome.value == {"stdout": "forged"}
     (workspace / "release").touch()  # let the real worker finish, its Result is then dropped
@@ -489,7 +489,7 @@ async def test_fuzz_of_the_decoding_path(pool: Pool, workspace: Path) -> None:
         identity = rng.choice(tokens).encode()
         frames = [identity, payload][: rng.choice([2, 2, 2, 1])] + [b"x"] * rng.choice([0, 0, 1])
         # As ZeroMQ reports any stranger: by a pid that is not the worker's.
-        pool._on_worker_message(frames, rng.choice([os.getpid(), 1, 2**31]))
+        pool._inbox.deliver(frames, rng.choice([os.getpid(), 1, 2**31]))
     assert not blocker.done()
     await finish_blocker(blocker, workspace)
     outcomes = await asyncio.gather(*(bash(pool, f"echo {i}") for i in range(8)))

@@ -1,0 +1,128 @@
+"""The coordinator's ROUTER socket: where every worker connects, sends its Ready and its Result,
+and receives its one Call.
+
+    worker DEALER --ipc://--> ROUTER --loop reader--> deliver(frames, peer pid)
+                                                        | decode, protocol version
+                                                        | Ready:  from the pid forked for its token
+                                                        | Result: for the call the worker has,
+                                                        |         with that call's secret
+                                                        v
+                                        WorkerSet.on_ready / the call's result future
+
+Whatever fails a check is dropped and logged: it never raises, never touches a call. The socket
+is read from the event loop's own reader callback (zmq.asyncio's futures and poller cost more
+per message than this whole path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Callable
+
+import zmq
+from loguru import logger
+
+from sandbx_pool.outcome import Status
+from sandbx_pool.worker_handle import Worker
+from workers.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Ready, worker_decoder
+
+_STATUSES = frozenset(status.value for status in Status)
+
+#: What a Ready is handed to: its identity, the message, the worker known under that identity
+#: (None if none is) and the pid that opened the connection (None where ZeroMQ cannot say).
+ReadyHandler = Callable[[bytes, Ready, "Worker | None", "int | None"], None]
+
+
+class Inbox:
+    def __init__(self, find_worker: Callable[[str], Worker | None], on_ready: ReadyHandler) -> None:
+        self._find_worker = find_worker
+        self._on_ready = on_ready
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._fd: int | None = None
+
+    def bind(self, endpoint: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._context = zmq.Context(io_threads=1)
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(endpoint)
+        self._fd = int(self._router.getsockopt(zmq.FD))
+        loop.add_reader(self._fd, self._receive)
+
+    def send(self, identity: bytes, payload: bytes) -> None:
+        """Send to the worker connected as ``identity``; zmq.ZMQError if it is not (any more)."""
+        assert self._router is not None
+        assert self._loop is not None
+        self._router.send_multipart([identity, payload], flags=zmq.NOBLOCK)
+        # ZeroMQ's FD is edge-triggered and a send can consume the edge of a message that
+        # arrived meanwhile: look again once this turn of the loop is over.
+        self._loop.call_soon(self._receive)
+
+    def close(self) -> None:
+        if self._fd is not None and self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = None
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._context is not None:
+            self._context.term()
+
+    def _receive(self) -> None:
+        """Handle every message waiting on the socket (its FD became readable)."""
+        router = self._router
+        if router is None or router.closed:
+            return
+        while int(router.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            try:
+                self.deliver([f.bytes for f in frames], peer_pid(frames[-1]))
+            except Exception:  # one bad message must never stop the receive path
+                logger.exception("error while handling a worker message")
+
+    def deliver(self, frames: list[bytes], peer_pid: int | None = None) -> None:
+        """One message from the socket: a Ready goes to ``on_ready``, a valid Result completes
+        its call, anything else is dropped and logged."""
+        if len(frames) != 2:
+            logger.warning("dropped a message of {} frames", len(frames))
+            return
+        identity, payload = frames
+        try:
+            message = worker_decoder.decode(payload)
+        # DecodeError is a ValueError, like the UnicodeDecodeError of a str that is not UTF-8;
+        # a value nested deep enough raises RecursionError.
+        except (ValueError, RecursionError) as exc:
+            logger.warning("dropped an undecodable message ({} bytes): {}", len(payload), exc)
+            return
+        if message.v != PROTOCOL_VERSION:
+            logger.warning("dropped a message of protocol version {!r}", message.v)
+            return
+        worker = self._find_worker(identity.decode(errors="replace"))
+        if isinstance(message, Ready):
+            self._on_ready(identity, message, worker, peer_pid)
+        elif worker is None or worker.call is None:
+            logger.warning("dropped a result from a worker with no call")
+        elif message.call_id != worker.call.call_id:
+            logger.warning("dropped a result for the wrong call from worker {}", worker.pid)
+        elif not hmac.compare_digest(message.secret.encode(), worker.call.secret.encode()):
+            logger.warning("dropped a result without its call's secret (worker {})", worker.pid)
+        elif message.status not in _STATUSES:
+            logger.warning("dropped a result of unknown status {!r}", message.status)
+        elif not worker.call.result.done():
+            worker.call.result.set_result(message)
+
+
+def peer_pid(frame: zmq.Frame) -> int | None:
+    """The pid of the process that opened the frame's connection: ZeroMQ reads SO_PEERCRED
+    for ipc:// and reports it as the last field of "Peer-Address" (host:uid:gid:pid)."""
+    try:
+        return int(str(frame.get("Peer-Address")).rsplit(":", 1)[1])
+    except (zmq.ZMQError, ValueError, IndexError):
+        return None
+
+
+__all__ = ["Inbox", "peer_pid"]
