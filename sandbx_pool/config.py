@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from sandbx_pool.errors import ConfigError
-from workers.protocol import Sandbox
+from workers.protocol import Limits, Sandbox
 
 MiB = 1024 * 1024
 
@@ -58,12 +58,34 @@ class EnvSettings(_Section):
     allow: list[str] = msgspec.field(default_factory=lambda: ["PATH", "HOME", "LANG", "TERM"])
     set: dict[str, str] = msgspec.field(default_factory=dict)
 
+    def for_call(self, env: dict[str, str] | None) -> dict[str, str]:
+        """A call's scrubbed environment: the allowlist from ours, ``set``, then the call's."""
+        scrubbed = {name: os.environ[name] for name in self.allow if name in os.environ}
+        scrubbed.setdefault("PATH", os.defpath)
+        scrubbed.update(self.set)
+        if env:
+            scrubbed.update(env)
+        return scrubbed
+
 
 class LimitSettings(_Section):
     address_space_mb: Annotated[int, Meta(ge=16)] | None = None
     cpu_s: Annotated[int, Meta(ge=1)] | None = None
     open_files: Annotated[int, Meta(ge=16)] | None = None
     file_size_mb: Annotated[int, Meta(ge=1)] | None = None
+
+    def for_workers(self) -> Limits:
+        """What each Call carries unless the call brings its own limits: bytes, not MiB."""
+        return Limits(
+            address_space_bytes=_mib(self.address_space_mb),
+            cpu_seconds=self.cpu_s,
+            open_files=self.open_files,
+            file_size_bytes=_mib(self.file_size_mb),
+        )
+
+
+def _mib(value: int | None) -> int | None:
+    return None if value is None else value * 1024 * 1024
 
 
 class GateRule(_Section):
