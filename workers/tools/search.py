@@ -23,7 +23,7 @@ from collections.abc import Container, Iterator
 from typing import Any
 
 from workers.errors import ToolError
-from workers.paths import relative_to_workspace, resolve
+from workers.paths import real_workspace, relative_to_workspace, resolve
 from workers.protocol import ExecutionContext
 from workers.schemas import FindArgs, GrepArgs
 from workers.tools.files import SNIFF_BYTES, is_binary, open_regular, os_error, printable
@@ -194,7 +194,7 @@ def grep_files(args: GrepArgs, ctx: ExecutionContext) -> dict[str, Any]:
         elif stat.S_ISDIR(mode):
             ignore = None
             if args.respect_gitignore:
-                ignore = GitIgnore(os.path.realpath(ctx.workspace), root)
+                ignore = GitIgnore(real_workspace(ctx.workspace), root)
             walk = TreeWalk(root, prune={".git"}, ignore=ignore)
     except OSError as exc:
         raise os_error(args.path, exc) from exc
