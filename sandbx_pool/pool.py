@@ -455,19 +455,16 @@ class Pool:
 
     async def _stop_worker(self, call: CallState, worker: Worker) -> bool:
         """Kill the worker's process group; True when it would not die and was quarantined."""
-        if call.tool == "bash" and self.config.calls.grace_s > 0:
-            # bash gets SIGTERM first so a command can clean up; file tools hold nothing worth it.
-            worker.signal_group(signal.SIGTERM)
-            if await worker.wait_gone(self.config.calls.grace_s):
-                return False
-        worker.signal_group(signal.SIGKILL)
-        if await worker.wait_gone(self.config.calls.kill_wait_s):
-            return False
-        worker.quarantine()
-        logger.warning(
-            "call {}: worker did not die after SIGKILL: {}", call.call_id, describe_stuck(worker)
-        )
-        return True
+        # bash gets SIGTERM first so a command can clean up; file tools hold nothing worth it.
+        grace_s = self.config.calls.grace_s if call.tool == "bash" else 0.0
+        stuck = await worker.stop(grace_s=grace_s, kill_wait_s=self.config.calls.kill_wait_s)
+        if stuck:
+            logger.warning(
+                "call {}: worker did not die after SIGKILL: {}",
+                call.call_id,
+                describe_stuck(worker),
+            )
+        return stuck
 
     # -- events from the workers and the template ----------------------------------------------
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import enum
 import os
+import signal
 import time
 from typing import Any
 
@@ -79,6 +80,20 @@ class Worker:
             await asyncio.wait_for(asyncio.shield(self.gone), within_s)
         except TimeoutError:
             return False
+        return True
+
+    async def stop(self, *, grace_s: float, kill_wait_s: float) -> bool:
+        """Kill the process group: SIGTERM and ``grace_s`` to clean up first if that is > 0,
+        then SIGKILL. True when the worker would not die within ``kill_wait_s`` of the SIGKILL
+        (stuck in the kernel) and was quarantined; its caller is released all the same."""
+        if grace_s > 0:
+            self.signal_group(signal.SIGTERM)
+            if await self.wait_gone(grace_s):
+                return False
+        self.signal_group(signal.SIGKILL)
+        if await self.wait_gone(kill_wait_s):
+            return False
+        self.quarantine()
         return True
 
     def mark_exited(self, returncode: int) -> None:
