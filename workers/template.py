@@ -48,6 +48,9 @@ from workers.schemas import parse_args
 #: How long shutdown waits to reap the workers it killed before leaving the stuck ones behind.
 SHUTDOWN_REAP_S = 2.0
 
+#: How many forks pass between two explicit collections of the template's garbage.
+COLLECT_EVERY_FORKS = 1024
+
 #: Set to "subreaper" in the template's environment to use the subreaper fallback even where
 #: PID namespaces are available.
 CONTAINMENT_ENV = "SANDBX_POOL_CONTAINMENT"
@@ -122,6 +125,8 @@ class Template:
         # Unguessable, so that nobody can connect first under a future worker's identity.
         token = f"{self.next_token}.{os.urandom(8).hex()}"
         self.next_token += 1
+        if self.next_token % COLLECT_EVERY_FORKS == 0:
+            gc.collect()  # automatic collection is off (see warm_up)
         if self.namespaces is not None:
             self.namespaces.enter_new()
         try:
@@ -240,6 +245,11 @@ def warm_up() -> None:
     sandbox.preload()
     gc.collect()
     gc.freeze()
+    # And no automatic collections from here on: each would walk the young objects, writing
+    # to pages the workers share with us (so copying them), a few times per fork. What the
+    # loop allocates per worker holds no cycle; Template.fork_worker collects now and then
+    # all the same, so that a cycle nobody expected stays bounded.
+    gc.disable()
 
 
 #: The flags sandbx_pool.template passes, each as ``--name=value``.
