@@ -120,6 +120,12 @@ async def test_absolute_paths_inside_are_allowed(pool: Pool, workspace: Path) ->
     assert outcome.status is Status.OK, outcome
 
 
+def _landlock_available() -> bool:
+    from workers import landlock
+
+    return landlock.abi_version() > 0
+
+
 def test_an_open_file_outside_is_refused(workspace: Path, outside: Path) -> None:
     """check_opened asks the kernel where an open fd is: a path swapped after resolve() is
     caught once the file is open (here the fd is simply opened outside)."""
@@ -135,6 +141,49 @@ def test_an_open_file_outside_is_refused(workspace: Path, outside: Path) -> None
         check_opened(ctx, fd, "hello.txt")
     finally:
         os.close(fd)
+
+
+_CHECK_OPENED_CONFINED = """
+import json, os, sys
+from workers import landlock, sandbox
+from workers.errors import Denied
+from workers.paths import check_opened
+from workers.protocol import ExecutionContext
+workspace, outside = sys.argv[1], sys.argv[2]
+inside_fd = os.open(os.path.join(workspace, "hello.txt"), os.O_RDONLY)
+outside_fd = os.open(os.path.join(outside, "secret.txt"), os.O_RDONLY)  # opened before the rules
+sandbox._check(sandbox._prctl(sandbox._PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+ruleset = landlock.Ruleset(handled_fs=landlock.fs_rights(99))
+ruleset.allow_path(workspace, landlock.READ_FILE | landlock.READ_DIR)
+ruleset.restrict_self()  # no rule for /proc, as a file tool's worker
+ctx = ExecutionContext(call_id="t", workspace=workspace, cwd=workspace, env={})
+check_opened(ctx, inside_fd, "hello.txt")
+try:
+    check_opened(ctx, outside_fd, "leak.txt")
+    verdict = "missed"
+except Denied:
+    verdict = "denied"
+try:
+    open("/proc/self/status").read()
+    proc = "readable"
+except PermissionError:
+    proc = "refused"
+print(json.dumps({"outside": verdict, "proc": proc}))
+"""
+
+
+@pytest.mark.skipif(not _landlock_available(), reason="no Landlock on this kernel")
+def test_check_opened_needs_no_proc_rule(workspace: Path, outside: Path) -> None:
+    # A file tool's worker is granted no /proc: its check of what it opened must still work
+    # (readlink of /proc/self/fd is not a read Landlock mediates), and /proc stays closed.
+    done = subprocess.run(
+        [sys.executable, "-c", _CHECK_OPENED_CONFINED, str(workspace), str(outside)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"outside": "denied", "proc": "refused"}
 
 
 # -- walks that never hang --------------------------------------------------------------------

@@ -115,10 +115,10 @@ class Preloaded:
         #: Read-only for every call (the system's directories and Python's): a PATH entry
         #: beneath one of them needs no rule of its own.
         self.read_only_roots = read_only_roots
+        # Not /proc: bash's is its own, mounted by confine(), which grants it then; a file tool
+        # needs none (readlink of /proc/self/fd, its check of what it opened, is not a read).
         self._fixed = [(path, _READ) for path in read_only_roots]
-        # The host's /proc: a file tool's own checks read /proc/self/fd. bash gets a private
-        # /proc mounted over it, another filesystem, which confine() grants again.
-        self._fixed += [("/proc", _PROC), ("/sys", _PROC)]
+        self._fixed += [("/sys", _PROC)]
         self._fixed += [(device, _DEVICE) for device in DEVICES]
         self._opened: list[landlock.PathBeneath] | None = None
         if landlock.abi_version() > 0:
