@@ -13,8 +13,8 @@ them, and is sound here because of what the template guarantees:
 * it is single-threaded, so no lock (the GIL's, the import lock, a ``threading.Lock``) can be
   held by a thread that does not exist in the child, which is what the skipped re-inits repair;
 * a worker never starts a Python thread, never uses ``random`` (tokens and temp names come from
-  ``os.urandom``/``secrets``, which read the kernel), and never returns into the template's
-  code: it leaves with ``os._exit``;
+  ``os.urandom``, which reads the kernel), and never returns into the template's code: it
+  leaves with ``os._exit``;
 * glibc's own pthread_atfork handlers (malloc's locks) still run: only Python's are skipped.
 
 Python's after-fork work also clears signals that were pending in the template. Skipping it
