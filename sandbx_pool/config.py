@@ -60,7 +60,8 @@ class EnvSettings(_Section):
 
     def for_call(self, env: dict[str, str] | None) -> dict[str, str]:
         """A call's scrubbed environment: the allowlist from ours, ``set``, then the call's."""
-        scrubbed = {name: os.environ[name] for name in self.allow if name in os.environ}
+        ours = {name: os.environ.get(name) for name in self.allow}
+        scrubbed = {name: value for name, value in ours.items() if value is not None}
         scrubbed.setdefault("PATH", os.defpath)
         scrubbed.update(self.set)
         if env:

@@ -99,7 +99,7 @@ class Gate:
         relative to the workspace; without them a rule sees the path as given, normalised.
         """
         raw = getattr(args, "path", None)
-        path = rule_path(raw, workspace, cwd) if isinstance(raw, str) else None
+        path = rule_path(raw, workspace, cwd) if self._rules and isinstance(raw, str) else None
         for rule in self._rules:
             if rule.matches(tool, args, path):
                 if rule.rule.action == "deny":

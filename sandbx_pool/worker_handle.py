@@ -29,11 +29,13 @@ class Worker:
         self.state = WorkerState.STARTING
         self.call: Any = None
         # Two views of its end: ``gone`` from our own pidfd, the moment the process is dead
-        # (what a kill waits for); ``exited`` from the template, once it has reaped the worker
-        # and knows its status (what a crash report needs). The first is a hop shorter.
+        # (what a kill waits for), or the template's notice if that comes first; ``exited``
+        # from the template, once it has reaped the worker and knows its status (what a crash
+        # report needs). The pidfd is a hop shorter.
         self.gone: asyncio.Future[None] = loop.create_future()
         self.exited: asyncio.Future[int] = loop.create_future()
         self._pidfd: int | None = None
+        self._pidfd_watched = False
         self.wchan: str | None = None
         self.quarantined_at: float | None = None
 
@@ -53,14 +55,12 @@ class Worker:
                 os.kill(self.pid, sig)
 
     def watch(self, pid: int) -> None:
-        """Learn our pid (the template forked it) and watch for its death through a pidfd."""
+        """Learn our pid (the template forked it) and hold a pidfd to learn of its death."""
         self.pid = pid
         try:
             self._pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             self._set_gone()
-            return
-        self._loop.add_reader(self._pidfd, self._set_gone)
 
     def _set_gone(self) -> None:
         self.stop_watching()
@@ -70,12 +70,18 @@ class Worker:
     def stop_watching(self) -> None:
         """Release the pidfd (the pool is closing; a stuck worker may outlive it)."""
         if self._pidfd is not None:
-            self._loop.remove_reader(self._pidfd)
+            if self._pidfd_watched:
+                self._loop.remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
 
     async def wait_gone(self, within_s: float) -> bool:
         """True once the process is dead, False if it is still alive after ``within_s``."""
+        # Only a kill waits on the pidfd: a call that answered ends with the template's Exited
+        # notice, and two epoll changes per worker are coordinator time on every call.
+        if self._pidfd is not None and not self._pidfd_watched:
+            self._pidfd_watched = True
+            self._loop.add_reader(self._pidfd, self._set_gone)
         try:
             await asyncio.wait_for(asyncio.shield(self.gone), within_s)
         except TimeoutError:
