@@ -164,6 +164,7 @@ class Pool:
             self._inbox.bind(endpoint, self._loop)
             self._template = TemplateProcess(endpoint, self._on_template, self._on_template_lost)
             await self._template.start()
+            self._template.prebuild_file_rules(self.workspace, self._sandbox)
         except BaseException:
             await self._teardown()
             raise

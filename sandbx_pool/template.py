@@ -23,6 +23,8 @@ from loguru import logger
 from sandbx_pool.errors import TemplateLost
 from workers.protocol import (
     FromTemplate,
+    PrebuildFileRules,
+    Sandbox,
     Shutdown,
     Spawn,
     TemplateReady,
@@ -135,6 +137,14 @@ class TemplateProcess:
             self.closed = True
             logger.error("the worker template exited unexpectedly")
             self._on_lost()
+
+    def prebuild_file_rules(self, workspace: str, sandbox: Sandbox) -> None:
+        """Have the template build the file tools' Landlock rules once, before its first fork
+        (the socket is a stream of messages, so this arrives before any Spawn)."""
+        try:
+            self._sock.send(encoder.encode(PrebuildFileRules(workspace=workspace, sandbox=sandbox)))
+        except OSError:  # a new socket is empty: only a template gone already refuses it
+            self._lost()
 
     def spawn(self, count: int) -> None:
         """Ask for ``count`` more workers. Requests made in one turn of the loop travel as one

@@ -8,7 +8,9 @@
                                every pending request, and the mount is detached
 
 Directory listings, lookups and opens answer at once: only ``read`` hangs, like an NFS server
-that stops answering in the middle of a transfer. The kernel has already handed a held read to
+that stops answering in the middle of a transfer. One exception: a lookup of the directory
+``STALLED`` hangs too, until released (a mount that stops answering before the path is even
+resolved). The kernel has already handed a held read to
 the daemon, so the reader sleeps uninterruptibly (state D): SIGKILL does not end it until the
 daemon answers or dies. That is the case the pool must survive.
 
@@ -38,6 +40,8 @@ import pytest
 #: The files the filesystem holds; every one of them hangs on read.
 FILES = ("stuck-0.txt", "stuck-1.txt", "stuck-2.txt", "stuck-3.txt")
 CONTENT = b"needle in a hung haystack\n"
+#: A directory whose lookup (getattr) hangs until release, as its files' reads do.
+STALLED = "stalled"
 
 #: How long the daemon may take to mount (an interpreter plus libfuse's handshake).
 START_TIMEOUT_S = 30.0
@@ -189,7 +193,9 @@ def _serve(mountpoint: str) -> None:
         def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
             now = time.time_ns()
             times = {"st_atime": now, "st_mtime": now, "st_ctime": now}
-            if path == "/":
+            if path == f"/{STALLED}":
+                released.wait()
+            if path in ("/", f"/{STALLED}"):
                 return {"st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2, **times}
             if path.lstrip("/") in FILES:
                 return {

@@ -181,6 +181,55 @@ def test_check_opened_needs_no_proc_rule(workspace: Path, outside: Path) -> None
     assert json.loads(done.stdout) == {"outside": "denied", "proc": "refused"}
 
 
+_FILE_RULES_ENTERED = """
+import json, os, sys
+from workers import rules, sandbox
+from workers.protocol import ExecutionContext, Sandbox
+workspace, outside = sys.argv[1], sys.argv[2]
+file_rules = rules.build_file_rules(workspace, Sandbox(), timeout_s=10)
+assert file_rules is not None, "the helper built no ruleset"
+ctx = ExecutionContext(call_id="t", workspace=workspace, cwd=workspace, env={})
+fits = [file_rules.fits(ctx), file_rules.fits(ExecutionContext(
+    call_id="t", workspace=outside, cwd=outside, env={}))]
+sandbox._check(sandbox._prctl(sandbox._PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+file_rules.take().restrict_self()
+def reach(path, mode="r"):
+    try:
+        with open(path, mode) as f:
+            f.write("x") if "w" in mode else f.read()
+        return "yes"
+    except PermissionError:
+        return "refused"
+print(json.dumps({
+    "fits": fits,
+    "inside": reach(os.path.join(workspace, "hello.txt")),
+    "write_inside": reach(os.path.join(workspace, "new.txt"), "w"),
+    "outside": reach(os.path.join(outside, "secret.txt")),
+    "python": reach(os.__file__),
+}))
+"""
+
+
+@pytest.mark.skipif(landlock.abi_version() == 0, reason="no Landlock here")
+def test_prebuilt_file_rules_confine_like_a_workers_own(workspace: Path, outside: Path) -> None:
+    # The ruleset the template has a helper build once, entered as a file tool's worker
+    # enters it: the workspace read-write, Python readable, anything else refused.
+    done = subprocess.run(
+        [sys.executable, "-c", _FILE_RULES_ENTERED, str(workspace), str(outside)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "fits": [True, False],
+        "inside": "yes",
+        "write_inside": "yes",
+        "outside": "refused",
+        "python": "yes",
+    }
+
+
 # -- walks that never hang --------------------------------------------------------------------
 
 

@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 from conftest import marked_config
-from fusefs import HungFs, require_fuse
+from fusefs import STALLED, HungFs, require_fuse
 from helpers import wait_until
 
 from sandbx_pool import CancelToken, KilledBy, Pool, Status
+from workers.rules import FILE_RULES_TIMEOUT_S
 
 #: After SIGKILL, how long the pool waits for a worker to die before it quarantines it.
 KILL_WAIT_S = 0.2
@@ -193,3 +194,23 @@ async def test_close_is_bounded_while_workers_are_stuck(
     assert [proc_state(pid) for pid in pids if pid is not None] == ["D", "D"], closed_in
     hung_fs.release()
     await wait_until(lambda: all(proc_state(p) is None for p in pids if p is not None), 10)
+
+
+async def test_a_workspace_whose_lookup_hangs_holds_only_its_own_calls(
+    hung_fs: HungFs, tmp_path: Path
+) -> None:
+    # The template has a helper open the workspace to build the file tools' rules once; the
+    # helper hangs here, and the template must give up on it (workers then build their own
+    # rules, and each call hangs, killably, until the mount answers) rather than fork nothing.
+    workspace = hung_fs.mountpoint / STALLED
+    config = hung_config()
+    async with Pool(workspace, journal=tmp_path / "j.jsonl", config=config) as pool:
+        started = time.monotonic()
+        outcome = await pool.call("read", {"path": "x.txt"}, timeout=1.0)
+        assert outcome.status is Status.TIMEOUT, outcome
+        assert outcome.started
+        assert time.monotonic() - started < FILE_RULES_TIMEOUT_S + 1.0 + RELEASE_BOUND_S
+        hung_fs.release()
+        outcome = await pool.call("read", {"path": "x.txt"}, timeout=30.0)
+        assert outcome.status is Status.ERROR, outcome
+        assert outcome.error == "x.txt not found", outcome

@@ -170,6 +170,15 @@ class Ruleset:
         size = 24 if has_scoping(self.abi) else 16 if has_net_rules(self.abi) else 8
         self.fd = _call("landlock_create_ruleset", _SYS_CREATE_RULESET, ctypes.byref(attr), size, 0)
 
+    @classmethod
+    def adopt(cls, fd: int) -> Ruleset:
+        """A ruleset built elsewhere (its descriptor inherited), to enter, not to add to."""
+        ruleset = cls.__new__(cls)
+        ruleset.abi = abi_version()
+        ruleset.handled_fs = ruleset.handled_net = ruleset.scoped = 0  # unknown here
+        ruleset.fd = fd
+        return ruleset
+
     def allow_path(self, path: str, rights: int) -> bool:
         """Grant ``rights`` beneath ``path``; False (nothing granted) if we cannot open it."""
         beneath = PathBeneath.open(path, rights)

@@ -110,6 +110,13 @@ class Shutdown(Message, tag="shutdown"):
     pass
 
 
+class PrebuildFileRules(Message, tag="prebuild_file_rules"):
+    """Build the file tools' Landlock rules for this pool once (workers.rules)."""
+
+    workspace: str
+    sandbox: Sandbox
+
+
 class Spawned(Message, tag="spawned"):
     token: str
     pid: int
@@ -127,7 +134,7 @@ class TemplateReady(Message, tag="template_ready"):
     containment: str
 
 
-ToTemplate = Spawn | Shutdown
+ToTemplate = Spawn | Shutdown | PrebuildFileRules
 FromTemplate = Spawned | Exited | TemplateReady
 
 encoder = msgspec.msgpack.Encoder()

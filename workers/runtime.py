@@ -34,6 +34,7 @@ from workers.protocol import (
     call_decoder,
     encoder,
 )
+from workers.rules import FileRules
 from workers.schemas import UnknownTool, parse_args
 from workers.tools import RUNS_PROGRAMS, WORKER_ACTIONS
 
@@ -179,12 +180,15 @@ def warm_up() -> None:
     encoder.encode(run_call(call))
 
 
-def serve(token: str, endpoint: str, template_pidfd: int) -> None:
+def serve(
+    token: str, endpoint: str, template_pidfd: int, file_rules: FileRules | None = None
+) -> None:
     """Connect, take one call, answer it, exit.
 
     ``template_pidfd`` becomes readable when the template exits: an idle worker whose template
     is gone (PDEATHSIG covers that too, this is the second line) exits instead of waiting for a
-    call that can never come.
+    call that can never come. ``file_rules`` is the file tools' Landlock ruleset, built once by
+    the template (workers.rules).
     """
     # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it
     # and let the command end. Python handlers reset on exec, so bash sees the default.
@@ -197,7 +201,7 @@ def serve(token: str, endpoint: str, template_pidfd: int) -> None:
     # for it (an IPI, costly in a VM): the rehearsal's and the ruleset's faults are cheaper
     # while we are still single-threaded.
     warm_up()
-    prepared = sandbox.prepare()
+    prepared = sandbox.prepare(file_rules)
     context = zmq.Context(io_threads=1)
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, token.encode())

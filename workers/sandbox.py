@@ -4,7 +4,8 @@ The tools run what a language model wrote, usually as root. The boundary is ther
 kernel's, set up by the worker itself in two stages::
 
     fork --> prepare()      while idle, before Ready (off the call's clock): the part of the
-    |                       Landlock ruleset that is the same for every call
+    |                       Landlock ruleset that is the same for every call (all of it for a
+    |                       file tool: the template's, see workers.rules)
     connect --> Ready --> Call
     |
     confine(call)           after the Call arrived (the connection is up), before the tool:
@@ -40,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import sys
 
 import msgspec
 
@@ -48,6 +48,17 @@ from workers import landlock
 from workers.containment import in_own_pid_namespace
 from workers.errors import ToolError
 from workers.protocol import Call, ExecutionContext, Sandbox
+from workers.rules import (
+    PROC,
+    READ,
+    SCOPES,
+    WRITE,
+    FileRules,
+    add_file_rules,
+    fixed_ruleset,
+    preload,
+    within,
+)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -67,28 +78,25 @@ _MS_REC, _MS_SLAVE = 1 << 14, 1 << 19
 _KEPT_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 29, 31})
 _CAP_NET_RAW = 13
 
+
 #: Read-only for every call: programs, libraries, configuration.
-SYSTEM_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
-#: Devices any command may open: reading and writing them reaches no file.
-DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
-
-_READ = landlock.EXECUTE | landlock.READ_FILE | landlock.READ_DIR
-_PROC = landlock.READ_FILE | landlock.READ_DIR
-_DEVICE = landlock.READ_FILE | landlock.WRITE_FILE | landlock.TRUNCATE | landlock.IOCTL_DEV
-_WRITE = landlock.fs_rights(99) & ~(landlock.MAKE_CHAR | landlock.MAKE_BLOCK | landlock.IOCTL_DEV)
-_SCOPES = landlock.SCOPE_SIGNAL | landlock.SCOPE_ABSTRACT_UNIX_SOCKET
-
-
 class SandboxError(ToolError):
     """The call cannot be confined as configured: it is refused (status ``error``)."""
 
 
 class Prepared:
-    """What ``prepare`` did while idle: the ruleset's fixed rules, the capability count."""
+    """What ``prepare`` did while idle: the capability count, and either the file tools'
+    complete ruleset (inherited from the template) or a ruleset holding the fixed rules."""
 
-    def __init__(self, ruleset: landlock.Ruleset | None, last_cap: int) -> None:
+    def __init__(
+        self,
+        ruleset: landlock.Ruleset | None,
+        last_cap: int,
+        file_rules: FileRules | None = None,
+    ) -> None:
         self.ruleset = ruleset
         self.last_cap = last_cap
+        self.file_rules = file_rules
 
 
 class Confinement:
@@ -104,74 +112,23 @@ class Confinement:
             remove_tree(self.tmpdir)
 
 
-class Preloaded:
-    """What every worker's prepare() needs and no call changes: the capability count, and the
-    fixed rules' paths opened (O_PATH, close-on-exec, so bash never holds them). Computed once,
-    in the template (``preload``), and inherited by every worker through the fork: a worker
-    then adds each fixed rule with one system call instead of opening its path again."""
+def prepare(file_rules: FileRules | None = None) -> Prepared:
+    """Build what every call's confinement shares, so that the call does not wait for it.
 
-    def __init__(self, last_cap: int, read_only_roots: list[str]) -> None:
-        self.last_cap = last_cap
-        #: Read-only for every call (the system's directories and Python's): a PATH entry
-        #: beneath one of them needs no rule of its own.
-        self.read_only_roots = read_only_roots
-        # Not /proc: bash's is its own, mounted by confine(), which grants it then; a file tool
-        # needs none (readlink of /proc/self/fd, its check of what it opened, is not a read).
-        self._fixed = [(path, _READ) for path in read_only_roots]
-        self._fixed += [("/sys", _PROC)]
-        self._fixed += [(device, _DEVICE) for device in DEVICES]
-        self._opened: list[landlock.PathBeneath] | None = None
-        if landlock.abi_version() > 0:
-            self._opened = self._open()
-
-    def take_rules(self) -> list[landlock.PathBeneath]:
-        """The fixed rules, opened, for the caller to close: the inherited descriptors the
-        first time (so that they do not count against the call's open-files limit), freshly
-        opened ones after that."""
-        rules, self._opened = self._opened, None
-        return rules if rules is not None else self._open()
-
-    def _open(self) -> list[landlock.PathBeneath]:
-        return [r for path, rights in self._fixed if (r := landlock.PathBeneath.open(path, rights))]
-
-
-_preloaded: Preloaded | None = None
-
-
-def preload() -> Preloaded:
-    """Compute (once per process) what prepare() shares; the template calls it before forking."""
-    global _preloaded
-    if _preloaded is None:
-        try:
-            with open("/proc/sys/kernel/cap_last_cap") as f:
-                last_cap = int(f.read())
-        except OSError:
-            last_cap = 40
-        roots = list(dict.fromkeys([*SYSTEM_READ_ONLY, *_python_dirs()]))
-        _preloaded = Preloaded(last_cap, roots)
-    return _preloaded
-
-
-def prepare() -> Prepared:
-    """Build what every call's confinement shares, so that the call does not wait for it."""
+    With ``file_rules`` (the template's, workers.rules) a file tool's domain is ready as it
+    is, and no ruleset is built here: bash, whose rules depend on its call (TMPDIR, PATH,
+    /proc), builds its own from the fixed rules when it comes.
+    """
     preloaded = preload()
     _rehearse()
     if landlock.abi_version() == 0:
         return Prepared(None, preloaded.last_cap)
+    if file_rules is not None:
+        return Prepared(None, preloaded.last_cap, file_rules)
     try:
-        ruleset = landlock.Ruleset(handled_fs=landlock.fs_rights(99), scoped=_SCOPES)
+        ruleset = fixed_ruleset()
     except OSError:
         return Prepared(None, preloaded.last_cap)  # confine() tries again, reports the failure
-    rules = preloaded.take_rules()
-    try:
-        for rule in rules:
-            ruleset.allow(rule)
-    except OSError:
-        ruleset.close()
-        return Prepared(None, preloaded.last_cap)
-    finally:
-        for rule in rules:
-            rule.close()
     return Prepared(ruleset, preloaded.last_cap)
 
 
@@ -180,11 +137,11 @@ def _rehearse() -> None:
     conversions, copy-on-write faults on the template's pages) are paid while idle."""
     ctx = ExecutionContext(call_id="", workspace="/", cwd="/", env={"PATH": os.defpath})
     msgspec.structs.replace(ctx, env={**ctx.env, "TMPDIR": os.urandom(8).hex()})
-    _within("/", _readable(ctx))
+    within("/", _readable(ctx))
     _prctl(_PR_CAPBSET_READ, 0)  # one call warms the path; the loop itself costs nothing more
     _prctl(_PR_GET_NO_NEW_PRIVS, 0)
     os.path.realpath("/")
-    rule = landlock.PathBeneath.open("/", _WRITE)
+    rule = landlock.PathBeneath.open("/", WRITE)
     if rule is not None:
         rule.close()
 
@@ -209,7 +166,7 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         if tmpdir is not None:
             env = {**ctx.env, "TMPDIR": tmpdir}
             home = env.get("HOME")
-            if box.filesystem == "workspace" and home and not _within(home, _readable(ctx)):
+            if box.filesystem == "workspace" and home and not within(home, _readable(ctx)):
                 # A HOME the rules make unreadable breaks tools that treat EACCES on their
                 # config as fatal (git does); an empty, private one they handle.
                 env["HOME"] = tmpdir
@@ -343,7 +300,7 @@ def _private_mounts(hidden: tuple[str, ...], needed: list[str | None]) -> None:
             _mount("proc", "/proc", "proc", flags, None)
     for path in hidden:
         real = os.path.realpath(path)
-        if not os.path.isdir(real) or any(n and _within(n, [real]) for n in needed):
+        if not os.path.isdir(real) or any(n and within(n, [real]) for n in needed):
             continue  # never hide what the call must use
         with contextlib.suppress(OSError):  # the secret and the pid check still hold
             _mount("sandbx-hidden", real, "tmpfs", flags | _MS_RDONLY, "size=4k,mode=000")
@@ -357,18 +314,6 @@ def _drop_capabilities(last_cap: int, *, keep_net_raw: bool) -> None:
             if ctypes.get_errno() == 1:  # EPERM: no CAP_SETPCAP, so not root: nothing to drop
                 return
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-
-
-def _within(path: str, roots: list[str]) -> bool:
-    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
-
-
-def _python_dirs() -> list[str]:
-    """The interpreter this worker runs on: it imports lazily and must keep working confined."""
-    dirs = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
-    # The worker's own package, wherever it is installed from (an editable install included).
-    dirs.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return dirs
 
 
 def _program_dirs(env: dict[str, str]) -> list[str]:
@@ -412,32 +357,39 @@ def _rulesets(
     if abi == 0:
         return []  # the file tools' own path checks are all that is left (see the doctor)
     rulesets = []
-    if box.filesystem == "workspace":
-        ruleset = prepared.ruleset or prepare().ruleset
-        if ruleset is None:
-            raise OSError("cannot build the Landlock ruleset")
+    file_rules, prepared.file_rules = prepared.file_rules, None
+    if not runs_programs and file_rules is not None and file_rules.fits(ctx):
+        # The template's complete ruleset, entered as it is: the fixed rules' descriptors
+        # are not needed.
+        preload().drop_rules()
+        rulesets.append(file_rules.take())
+    elif box.filesystem == "workspace":
+        ruleset = prepared.ruleset or fixed_ruleset()
         prepared.ruleset = None
         rulesets.append(ruleset)
-        programs = _program_dirs(ctx.env) if runs_programs else []
-        roots = preload().read_only_roots
-        for path in dict.fromkeys([*programs, *box.read_only]):
-            if not _within(path, roots):  # /usr/bin is granted with /usr already
-                ruleset.allow_path(path, _READ)
         if runs_programs:
-            ruleset.allow_path("/proc", _PROC)  # after the mounts: the private /proc, if any
-        for path in (ctx.workspace, *box.writable, *([tmpdir] if tmpdir else [])):
-            ruleset.allow_path(path, _WRITE)
-        if tmpdir is not None and box.tmp_root is not None:
-            # Only to remove the TMPDIR itself at the end; the root is not listable.
-            ruleset.allow_path(box.tmp_root, landlock.REMOVE_DIR)
+            roots = preload().read_only_roots
+            for path in dict.fromkeys(_program_dirs(ctx.env)):
+                if not within(path, roots):  # /usr/bin is granted with /usr already
+                    ruleset.allow_path(path, READ)
+            ruleset.allow_path("/proc", PROC)  # after the mounts: the private /proc, if any
+        add_file_rules(ruleset, ctx.workspace, box)
+        if tmpdir is not None:
+            ruleset.allow_path(tmpdir, WRITE)
+            if box.tmp_root is not None:
+                # Only to remove the TMPDIR itself at the end; the root is not listable.
+                ruleset.allow_path(box.tmp_root, landlock.REMOVE_DIR)
     else:
-        if prepared.ruleset is not None:
-            prepared.ruleset.close()
-            prepared.ruleset = None
         # No filesystem rules, but a domain still (for the ptrace and scope rules): it handles
         # device-node creation, which nobody is granted.
         handled = landlock.MAKE_CHAR | landlock.MAKE_BLOCK
-        rulesets.append(landlock.Ruleset(handled_fs=handled, scoped=_SCOPES))
+        rulesets.append(landlock.Ruleset(handled_fs=handled, scoped=SCOPES))
+    # What was prepared and not used: descriptors that would count against the call's limit.
+    if prepared.ruleset is not None:
+        prepared.ruleset.close()
+        prepared.ruleset = None
+    if file_rules is not None:
+        file_rules.close()  # nothing left to close once taken
     if offline and landlock.has_net_rules(abi):
         # A domain of its own, stacked: the fixed rules above were built before we knew.
         handled_net = landlock.NET_BIND_TCP | landlock.NET_CONNECT_TCP
@@ -445,4 +397,4 @@ def _rulesets(
     return rulesets
 
 
-__all__ = ["Confinement", "Preloaded", "Prepared", "SandboxError", "confine", "preload", "prepare"]
+__all__ = ["Confinement", "Prepared", "SandboxError", "confine", "prepare"]

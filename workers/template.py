@@ -32,9 +32,10 @@ import msgspec
 
 import workers.runtime  # preloaded so that each fork starts warm
 import workers.tools
-from workers import bare_fork, containment, sandbox
+from workers import bare_fork, containment, rules
 from workers.protocol import (
     Exited,
+    PrebuildFileRules,
     Result,
     Shutdown,
     Spawn,
@@ -72,6 +73,8 @@ class Template:
         self.own_pidfd = os.pidfd_open(os.getpid())
         self.wakeup_read, self.wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.selector = selectors.DefaultSelector()
+        # The file tools' Landlock ruleset, once the coordinator has said for which workspace.
+        self.file_rules: rules.FileRules | None = None
 
     @property
     def containment(self) -> str:
@@ -116,6 +119,12 @@ class Template:
         message = to_template_decoder.decode(data)
         if isinstance(message, Shutdown):
             return False
+        if isinstance(message, PrebuildFileRules):
+            if self.file_rules is not None:
+                self.file_rules.close()
+            timeout_s = rules.FILE_RULES_TIMEOUT_S
+            self.file_rules = rules.build_file_rules(message.workspace, message.sandbox, timeout_s)
+            return True
         assert isinstance(message, Spawn)
         for _ in range(message.count):
             self.fork_worker()
@@ -161,7 +170,7 @@ class Template:
                 os._exit(1)
             if not containment.in_own_pid_namespace():
                 containment.set_child_subreaper()
-            workers.runtime.serve(token, self.endpoint, self.own_pidfd)
+            workers.runtime.serve(token, self.endpoint, self.own_pidfd, self.file_rules)
         except BaseException:
             # Nobody else can report a worker that broke before it could connect.
             traceback.print_exc()
@@ -226,7 +235,7 @@ def warm_up() -> None:
 
     msgspec builds a type's validation info on first use (annotation evaluation, a few ms);
     doing it before forking means each worker inherits it, as it inherits the confinement's
-    fixed Landlock rules, opened once here (workers.sandbox.preload). gc.freeze() then moves
+    fixed Landlock rules, opened once here (workers.rules.preload). gc.freeze() then moves
     every object to a generation the collector never scans, so a worker's collections do not
     touch (and copy-on-write) the template's pages.
     """
@@ -242,7 +251,7 @@ def warm_up() -> None:
     for tool, args in samples.items():
         parse_args(tool, args)
     encoder.encode(Result(call_id="", status="ok", value={}))
-    sandbox.preload()
+    rules.preload()
     gc.collect()
     gc.freeze()
     # And no automatic collections from here on: each would walk the young objects, writing

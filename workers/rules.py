@@ -1,0 +1,217 @@
+"""What a call's Landlock domain grants, and the parts of it that are built before the call.
+
+Every domain starts from the same fixed rules (the system's directories and Python's read-only,
+a few devices), whose paths the template opens once (``preload``) for every worker to inherit.
+A file tool's domain adds only the pool's own paths (the workspace, the configured extras), so
+it is the same for every file tool call of a pool: ``build_file_rules`` builds it once, in a
+helper the template forks, and each worker enters it with one system call::
+
+    template --fork--> helper: open the workspace, build the ruleset --fd--> template
+    template --fork--> worker: restrict_self(inherited ruleset)      (a file tool's call)
+                               build its own from the fixed rules     (bash: TMPDIR, PATH, /proc)
+
+A helper, not the template itself: opening the workspace walks its path, and a hung mount
+would hang whoever does it. The template waits for the helper a bounded time; without its
+answer each worker builds the file tools' rules itself, as bash does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import sys
+
+from workers import landlock
+from workers.containment import set_parent_death_signal
+from workers.protocol import ExecutionContext, Sandbox
+
+SYSTEM_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+#: Devices any command may open: reading and writing them reaches no file.
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
+
+READ = landlock.EXECUTE | landlock.READ_FILE | landlock.READ_DIR
+PROC = landlock.READ_FILE | landlock.READ_DIR
+DEVICE = landlock.READ_FILE | landlock.WRITE_FILE | landlock.TRUNCATE | landlock.IOCTL_DEV
+WRITE = landlock.fs_rights(99) & ~(landlock.MAKE_CHAR | landlock.MAKE_BLOCK | landlock.IOCTL_DEV)
+SCOPES = landlock.SCOPE_SIGNAL | landlock.SCOPE_ABSTRACT_UNIX_SOCKET
+
+#: How long the template waits for the helper that builds the file tools' rules.
+FILE_RULES_TIMEOUT_S = 2.0
+
+
+class Preloaded:
+    """What every domain shares and no call changes: the capability count, and the fixed
+    rules' paths opened (O_PATH, close-on-exec, so bash never holds them). Computed once, in
+    the template (``preload``), and inherited by every worker through the fork: a worker then
+    adds each fixed rule with one system call instead of opening its path again."""
+
+    def __init__(self, last_cap: int, read_only_roots: list[str]) -> None:
+        self.last_cap = last_cap
+        #: Read-only for every call (the system's directories and Python's): a PATH entry
+        #: beneath one of them needs no rule of its own.
+        self.read_only_roots = read_only_roots
+        # Not /proc: bash's is its own, mounted by confine(), which grants it then; a file tool
+        # needs none (readlink of /proc/self/fd, its check of what it opened, is not a read).
+        self._fixed = [(path, READ) for path in read_only_roots]
+        self._fixed += [("/sys", PROC)]
+        self._fixed += [(device, DEVICE) for device in DEVICES]
+        self._opened: list[landlock.PathBeneath] | None = None
+        if landlock.abi_version() > 0:
+            self._opened = self._open()
+
+    def take_rules(self) -> list[landlock.PathBeneath]:
+        """The fixed rules, opened, for the caller to close: the inherited descriptors the
+        first time (so that they do not count against the call's open-files limit), freshly
+        opened ones after that."""
+        rules, self._opened = self._opened, None
+        return rules if rules is not None else self._open()
+
+    def drop_rules(self) -> None:
+        """Close the inherited descriptors unused (the call needs no rules of its own)."""
+        rules, self._opened = self._opened, None
+        for rule in rules or ():
+            rule.close()
+
+    def _open(self) -> list[landlock.PathBeneath]:
+        return [r for path, rights in self._fixed if (r := landlock.PathBeneath.open(path, rights))]
+
+
+_preloaded: Preloaded | None = None
+
+
+def preload() -> Preloaded:
+    """Compute (once per process) what every domain shares; the template calls it first."""
+    global _preloaded
+    if _preloaded is None:
+        try:
+            with open("/proc/sys/kernel/cap_last_cap") as f:
+                last_cap = int(f.read())
+        except OSError:
+            last_cap = 40
+        roots = list(dict.fromkeys([*SYSTEM_READ_ONLY, *_python_dirs()]))
+        _preloaded = Preloaded(last_cap, roots)
+    return _preloaded
+
+
+def fixed_ruleset() -> landlock.Ruleset:
+    """A new ruleset holding the fixed rules, for the caller to add its own to."""
+    ruleset = landlock.Ruleset(handled_fs=landlock.fs_rights(99), scoped=SCOPES)
+    rules = preload().take_rules()
+    try:
+        for rule in rules:
+            ruleset.allow(rule)
+    except OSError:
+        ruleset.close()
+        raise
+    finally:
+        for rule in rules:
+            rule.close()
+    return ruleset
+
+
+def add_file_rules(ruleset: landlock.Ruleset, workspace: str, box: Sandbox) -> None:
+    """What a file tool may reach beyond the fixed rules: the extras read-only, the workspace
+    and the extra writable paths read-write."""
+    roots = preload().read_only_roots
+    for path in dict.fromkeys(box.read_only):
+        if not within(path, roots):
+            ruleset.allow_path(path, READ)
+    for path in (workspace, *box.writable):
+        ruleset.allow_path(path, WRITE)
+
+
+class FileRules:
+    """The file tools' complete ruleset for one pool's workspace and sandbox settings. Its
+    descriptor is inherited by every worker, and a domain entered from it copies the rules, so
+    no worker ever changes it: the rules are only ever added in the helper."""
+
+    def __init__(self, workspace: str, box: Sandbox, fd: int) -> None:
+        self.workspace = workspace
+        self.read_only = box.read_only
+        self.writable = box.writable
+        self.fd = fd
+
+    def fits(self, ctx: ExecutionContext) -> bool:
+        box = ctx.sandbox
+        return (
+            box.filesystem == "workspace"
+            and ctx.workspace == self.workspace
+            and box.read_only == self.read_only
+            and box.writable == self.writable
+        )
+
+    def take(self) -> landlock.Ruleset:
+        """This process's copy of the ruleset, to enter (which closes it)."""
+        ruleset = landlock.Ruleset.adopt(self.fd)
+        self.fd = -1
+        return ruleset
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def build_file_rules(workspace: str, box: Sandbox, timeout_s: float) -> FileRules | None:
+    """The file tools' ruleset, built by a helper process; None where Landlock is absent, or
+    when the helper failed or did not answer within ``timeout_s`` (it is killed, and reaped
+    with the template's other children)."""
+    if landlock.abi_version() == 0 or box.filesystem != "workspace":
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:  # the helper
+        ours.close()
+        _serve_file_rules(theirs, workspace, box)
+    theirs.close()
+    try:
+        if not select.select([ours], [], [], timeout_s)[0]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            return None
+        _, fds, _, _ = socket.recv_fds(ours, 16, 1)
+    finally:
+        ours.close()
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+    return FileRules(workspace, box, fds[0]) if fds else None
+
+
+def _serve_file_rules(channel: socket.socket, workspace: str, box: Sandbox) -> None:
+    """In the helper: build the ruleset and hand its descriptor over, or hang up."""
+    code = 1
+    try:
+        set_parent_death_signal(signal.SIGKILL)
+        ruleset = fixed_ruleset()
+        add_file_rules(ruleset, workspace, box)
+        socket.send_fds(channel, [b"rules"], [ruleset.fd])
+        code = 0
+    except OSError:
+        pass  # no descriptor: the workers build their own rules, and report what fails
+    finally:
+        os._exit(code)
+
+
+def within(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def _python_dirs() -> list[str]:
+    """The interpreter this worker runs on: it imports lazily and must keep working confined."""
+    dirs = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    # The worker's own package, wherever it is installed from (an editable install included).
+    dirs.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return dirs
+
+
+__all__ = [
+    "FileRules",
+    "Preloaded",
+    "build_file_rules",
+    "fixed_ruleset",
+    "preload",
+    "within",
+]
