@@ -43,14 +43,14 @@ import time
 from typing import Any
 
 import msgspec
-import zmq
 from loguru import logger
 
 from sandbx_pool import confine
-from sandbx_pool.call_state import CallState, crash_message
+from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelCallback, CancelToken
 from sandbx_pool.config import Config, JournalPolicy, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost
+from sandbx_pool.execution import execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import Journal
@@ -61,7 +61,6 @@ from sandbx_pool.template import TemplateProcess
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
 from sandbx_pool.worker_set import WorkerSet
 from workers.protocol import (
-    Call,
     ExecutionContext,
     Exited,
     FromTemplate,
@@ -69,15 +68,8 @@ from workers.protocol import (
     Ready,
     Sandbox,
     Spawned,
-    encoder,
 )
 from workers.schemas import UnknownTool, parse_args
-
-#: A worker's Result and its exit notice travel on different channels, so the exit may be seen
-#: first. After a clean exit (the Result was handed to ZeroMQ), wait this long for it; after a
-#: crash, only this brief moment, in case it died right after sending.
-RESULT_IN_FLIGHT_S = 5.0
-CRASH_RESULT_GRACE_S = 0.05
 
 
 class PoolState(enum.IntEnum):
@@ -370,60 +362,14 @@ class Pool:
         finally:
             self._workers.release(worker)
 
+    async def _execute(self, call: CallState, worker: Worker) -> Outcome:
+        send, settings, journal = self._inbox.send, self.config.calls, self.journal
+        return await execute(call, worker, send=send, settings=settings, journal=journal)
+
     def _killed_before_start(self, call: CallState) -> Outcome:
         assert call.killer is not None
         return call.outcome(
             STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason
-        )
-
-    async def _execute(self, call: CallState, worker: Worker) -> Outcome:
-        self._dispatch(call, worker)
-        if self.journal is not None and worker.pid is not None:
-            self.journal.started(call.call_id, worker.pid)
-        timer = None
-        if call.timeout_s is not None:
-            assert self._loop is not None
-            reason = f"timed out after {call.timeout_s:g} s"
-            timer = self._loop.call_later(
-                call.timeout_s, call.request_kill, KilledBy.TIMEOUT, reason
-            )
-        try:
-            first: set[asyncio.Future[Any]] = {call.result, call.kill_requested, worker.exited}
-            await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if timer is not None:
-                timer.cancel()
-        if not call.result.done() and call.killer is None:
-            # The worker's exit notice came first, over another channel. A worker exits 0 only
-            # after ZeroMQ took its Result, so that Result is on its way: wait for it. After
-            # any other exit a Result is unlikely; still give it a moment.
-            clean_exit = worker.exited.result() == 0
-            grace = RESULT_IN_FLIGHT_S if clean_exit else CRASH_RESULT_GRACE_S
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(call.result), grace)
-        common: dict[str, Any] = {"started": True, "worker_pid": worker.pid}
-        if call.result.done():
-            result = call.result.result()
-            status = Status(result.status)
-            if status is Status.OUTPUT_LIMIT:
-                common["killed_by"] = KilledBy.OUTPUT_LIMIT
-            return call.outcome(
-                status, value=result.value, error=result.error, limit=result.limit, **common
-            )
-        if call.killer is not None:
-            if await self._stop_worker(call, worker):
-                common.update(quarantined=True, wchan=worker.wchan)
-            return call.outcome(
-                STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason, **common
-            )
-        returncode = worker.exited.result()
-        assert call.context is not None
-        return call.outcome(
-            Status.CRASHED,
-            error=crash_message(returncode, call.context),
-            signal=-returncode if returncode < 0 else None,
-            limit="cpu" if returncode == -signal.SIGXCPU else None,
-            **common,
         )
 
     # -- workers: scheduling (synchronous decisions) -------------------------------------------
@@ -440,32 +386,6 @@ class Pool:
             return call.assigned.result()
         self._workers.withdraw(call)
         return None
-
-    def _dispatch(self, call: CallState, worker: Worker) -> None:
-        assert call.context is not None
-        call.worker = worker
-        worker.call = call
-        message = encoder.encode(
-            Call(tool=call.tool, args=call.raw_args, context=call.context, secret=call.secret)
-        )
-        try:
-            self._inbox.send(worker.identity, message)
-        except zmq.ZMQError as exc:
-            # The worker vanished between Ready and now: its exit notice will end the call.
-            logger.warning("cannot send call {} to worker {}: {}", call.call_id, worker.pid, exc)
-
-    async def _stop_worker(self, call: CallState, worker: Worker) -> bool:
-        """Kill the worker's process group; True when it would not die and was quarantined."""
-        # bash gets SIGTERM first so a command can clean up; file tools hold nothing worth it.
-        grace_s = self.config.calls.grace_s if call.tool == "bash" else 0.0
-        stuck = await worker.stop(grace_s=grace_s, kill_wait_s=self.config.calls.kill_wait_s)
-        if stuck:
-            logger.warning(
-                "call {}: worker did not die after SIGKILL: {}",
-                call.call_id,
-                describe_stuck(worker),
-            )
-        return stuck
 
     # -- events from the workers and the template ----------------------------------------------
 

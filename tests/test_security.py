@@ -35,7 +35,7 @@ from sandbx_pool.cli import main as cli_main
 from sandbx_pool.config import load_config
 from sandbx_pool.errors import ConfigError
 from workers import landlock
-from workers.protocol import MAX_MESSAGE_BYTES, Ready, Result, encoder
+from workers.protocol import MAX_MESSAGE_BYTES, Ready, Result, call_decoder, encoder
 from workers.sandbox import remove_tree
 from workers.template import CONTAINMENT_ENV
 
@@ -316,15 +316,15 @@ async def test_no_memory_or_environment_of_another_process(any_pool: Pool, works
 
 
 def spy_on_secrets(pool: Pool) -> list[str]:
-    """The secret of each call the pool dispatches from now on (only its worker should know)."""
+    """The secret of each call the pool sends from now on (only its worker should know)."""
     secrets_sent: list[str] = []
-    dispatch = pool._dispatch
+    send = pool._inbox.send
 
-    def spy(call: Any, worker: Any) -> None:
-        secrets_sent.append(call.secret)
-        dispatch(call, worker)
+    def spy(identity: bytes, payload: bytes) -> None:
+        secrets_sent.append(call_decoder.decode(payload).secret)
+        send(identity, payload)
 
-    pool._dispatch = spy  # type: ignore[method-assign]
+    pool._inbox.send = spy  # type: ignore[method-assign]
     return secrets_sent
 
 

@@ -140,6 +140,11 @@ INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {"_remove_temps": RemoveTempsArg
 #: Tools whose effects outlive the call: their journal intent is made durable before they run.
 SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash"})
 
+#: Tools that start programs. Only these get the confinement steps that bound what an exec'd
+#: program can do (workers.sandbox.confine), and a SIGTERM and grace period before SIGKILL
+#: when they are stopped: the others run only our own code, which holds nothing to clean up.
+RUNS_PROGRAMS = frozenset({"bash"})
+
 
 class UnknownTool(ValueError):
     pass

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workers.protocol import ExecutionContext
+from workers.schemas import RUNS_PROGRAMS
 from workers.tools.bash import run_bash
 from workers.tools.files import edit_file, list_directory, read_file, write_file
 from workers.tools.recovery import remove_temps
@@ -27,10 +28,6 @@ TOOLS: dict[str, ToolFunction] = {
     "find": find_paths,
     "bash": run_bash,
 }
-
-#: The tools that start programs: only these get the confinement steps that bound what an
-#: exec'd program can do (workers.sandbox.confine). The others run only our own code.
-RUNS_PROGRAMS = frozenset({"bash"})
 
 #: Every action a worker can run: the tools plus the coordinator's internal ones.
 WORKER_ACTIONS: dict[str, ToolFunction] = {**TOOLS, "_remove_temps": remove_temps}

@@ -1,0 +1,125 @@
+"""One call on the worker it was given: send it, wait for how it ends, kill if need be.
+
+    send Call --> wait for the first of:
+        Result          --> its status, value, error
+        kill request    --> stop the worker's group --> the killer's status
+        worker's exit   --> crashed (with its signal), unless a Result was still on its way
+
+The kill request (token, task, timeout, shutdown, set by whoever decided it) is read from the
+call's state, never inferred from how the worker died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from loguru import logger
+
+from sandbx_pool.call_state import CallState, crash_message
+from sandbx_pool.config import CallSettings
+from sandbx_pool.journal import Journal
+from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
+from sandbx_pool.worker_handle import Worker, describe_stuck
+from workers.protocol import Call, encoder
+from workers.schemas import RUNS_PROGRAMS
+
+#: A worker's Result and its exit notice travel on different channels, so the exit may be seen
+#: first. After a clean exit (the Result was handed to ZeroMQ), wait this long for it; after a
+#: crash, only this brief moment, in case it died right after sending.
+RESULT_IN_FLIGHT_S = 5.0
+CRASH_RESULT_GRACE_S = 0.05
+
+#: Sends one message to the worker of that ZeroMQ identity.
+Send = Callable[[bytes, bytes], None]
+
+
+async def execute(
+    call: CallState,
+    worker: Worker,
+    *,
+    send: Send,
+    settings: CallSettings,
+    journal: Journal | None,
+) -> Outcome:
+    """Run ``call`` on ``worker`` (idle, connected) and return its one outcome."""
+    dispatch(call, worker, send)
+    if journal is not None and worker.pid is not None:
+        journal.started(call.call_id, worker.pid)
+    timer = None
+    if call.timeout_s is not None:
+        reason = f"timed out after {call.timeout_s:g} s"
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(call.timeout_s, call.request_kill, KilledBy.TIMEOUT, reason)
+    try:
+        first: set[asyncio.Future[Any]] = {call.result, call.kill_requested, worker.exited}
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if not call.result.done() and call.killer is None:
+        # The worker's exit notice came first, over another channel. A worker exits 0 only
+        # after ZeroMQ took its Result, so that Result is on its way: wait for it. After
+        # any other exit a Result is unlikely; still give it a moment.
+        clean_exit = worker.exited.result() == 0
+        grace = RESULT_IN_FLIGHT_S if clean_exit else CRASH_RESULT_GRACE_S
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(call.result), grace)
+    common: dict[str, Any] = {"started": True, "worker_pid": worker.pid}
+    if call.result.done():
+        result = call.result.result()
+        status = Status(result.status)
+        if status is Status.OUTPUT_LIMIT:
+            common["killed_by"] = KilledBy.OUTPUT_LIMIT
+        return call.outcome(
+            status, value=result.value, error=result.error, limit=result.limit, **common
+        )
+    if call.killer is not None:
+        if await stop_worker(call, worker, settings):
+            common.update(quarantined=True, wchan=worker.wchan)
+        return call.outcome(
+            STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason, **common
+        )
+    returncode = worker.exited.result()
+    assert call.context is not None
+    return call.outcome(
+        Status.CRASHED,
+        error=crash_message(returncode, call.context),
+        signal=-returncode if returncode < 0 else None,
+        limit="cpu" if returncode == -signal.SIGXCPU else None,
+        **common,
+    )
+
+
+def dispatch(call: CallState, worker: Worker, send: Send) -> None:
+    """Hand the call to its worker (and the worker to its call)."""
+    assert call.context is not None
+    call.worker = worker
+    worker.call = call
+    message = encoder.encode(
+        Call(tool=call.tool, args=call.raw_args, context=call.context, secret=call.secret)
+    )
+    try:
+        send(worker.identity, message)
+    except zmq.ZMQError as exc:
+        # The worker vanished between Ready and now: its exit notice will end the call.
+        logger.warning("cannot send call {} to worker {}: {}", call.call_id, worker.pid, exc)
+
+
+async def stop_worker(call: CallState, worker: Worker, settings: CallSettings) -> bool:
+    """Kill the worker's process group; True when it would not die and was quarantined."""
+    # A program gets SIGTERM first so that it can clean up; our own tools hold nothing.
+    grace_s = settings.grace_s if call.tool in RUNS_PROGRAMS else 0.0
+    stuck = await worker.stop(grace_s=grace_s, kill_wait_s=settings.kill_wait_s)
+    if stuck:
+        logger.warning(
+            "call {}: worker did not die after SIGKILL: {}", call.call_id, describe_stuck(worker)
+        )
+    return stuck
+
+
+__all__ = ["CRASH_RESULT_GRACE_S", "RESULT_IN_FLIGHT_S", "dispatch", "execute", "stop_worker"]
