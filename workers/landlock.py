@@ -208,8 +208,7 @@ class Ruleset:
         """Enforce the ruleset on the calling thread and what it starts from now on.
 
         Needs no_new_privs (or CAP_SYS_ADMIN). Only this thread is restricted: threads that
-        already exist (ZeroMQ's I/O thread) keep their access, and children are forked from
-        this one.
+        already exist keep their access, and children are forked from this one.
         """
         try:
             _call("landlock_restrict_self", _SYS_RESTRICT_SELF, self.fd, 0)

@@ -2,11 +2,12 @@
 
 Two channels, one message family:
 
-* coordinator <-> worker: ZeroMQ (ROUTER in the coordinator, one DEALER per worker) on an
-  ipc:// endpoint in the pool's private runtime directory. A worker announces itself with
-  ``Ready``, receives exactly one ``Call`` and answers with exactly one ``Result``.
+* coordinator <-> worker: ZeroMQ (libzmq's ROUTER in the coordinator, one DEALER per worker,
+  workers.zmtp) on an ipc:// endpoint in the pool's private runtime directory. A worker
+  announces itself with ``Ready``, receives exactly one ``Call`` and answers with exactly
+  one ``Result``.
 * coordinator <-> template: a SOCK_SEQPACKET socketpair. The template must stay
-  single-threaded so that forking it is safe, and a ZeroMQ context starts I/O threads, so this
+  single-threaded so that forking it is safe, and a libzmq context starts I/O threads, so this
   channel is a plain socket. The coordinator asks for ``Spawn``; the template reports each
   ``Spawned`` worker (with its pid as the coordinator sees it) and each ``Exited`` one.
 

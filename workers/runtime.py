@@ -4,7 +4,8 @@
     -> confine (workers.sandbox) -> apply limits
     -> run the tool -> kill whatever the tool left running -> send Result -> exit
 
-The worker makes its own ZeroMQ context here, after the fork: a context never crosses a fork.
+The worker's ZeroMQ connection (workers.zmtp: a DEALER speaking ZMTP itself, no libzmq
+context and so no threads) is made here, after the fork: nothing of it crosses a fork.
 It never decides a cancel or a timeout itself: the coordinator kills its process group. The one
 kill it decides is an output overflow, which it records in the Result before killing.
 """
@@ -15,14 +16,14 @@ import errno
 import gc
 import os
 import resource
+import select
 import signal
 import traceback
 from typing import Any
 
 import msgspec
-import zmq
 
-from workers import containment, sandbox
+from workers import containment, sandbox, zmtp
 from workers.errors import LimitExceeded, ToolError
 from workers.protocol import (
     MAX_MESSAGE_BYTES,
@@ -44,8 +45,14 @@ EXIT_ORPHANED = 75
 #: Exit status of a worker the coordinator stopped with SIGTERM (it sends no Result).
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
-#: How long a finished worker keeps trying to hand its Result to a coordinator that is gone.
-SEND_LINGER_MS = 2000
+#: Exit status of a worker that could not hand its Result over (the coordinator stopped reading).
+EXIT_UNDELIVERED = 74
+
+#: How long a finished worker waits for a coordinator that stopped reading its Result.
+SEND_TIMEOUT_S = 2.0
+
+#: How long a new worker waits for the coordinator's side of the ZeroMQ handshake.
+HANDSHAKE_TIMEOUT_S = 10.0
 
 _RLIMITS: dict[str, tuple[int, str]] = {
     "address_space_bytes": (resource.RLIMIT_AS, "memory"),
@@ -196,29 +203,23 @@ def serve(
     signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     # One short call: the collector would only copy-on-write the template's pages.
     gc.disable()
-    # Copy-on-write first, threads after. Each first write to a template page replaces a page
-    # table entry, and once ZeroMQ's threads exist the kernel must flush the other CPU's TLB
-    # for it (an IPI, costly in a VM): the rehearsal's and the ruleset's faults are cheaper
-    # while we are still single-threaded.
+    # Both before connecting: the rehearsal's and the ruleset's copy-on-write faults are paid
+    # while idle, and a connection is only made once the worker can take a call at once.
     warm_up()
     prepared = sandbox.prepare(file_rules)
-    context = zmq.Context(io_threads=1)
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, token.encode())
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    sock.setsockopt(zmq.LINGER, SEND_LINGER_MS)
-    sock.connect(endpoint)
-    sock.send(encoder.encode(Ready(token=token)))
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(template_pidfd, zmq.POLLIN)
+    connection = zmtp.Dealer(endpoint, token.encode(), max_message_bytes=MAX_MESSAGE_BYTES)
+    connection.handshake(timeout_s=HANDSHAKE_TIMEOUT_S)
+    connection.send(encoder.encode(Ready(token=token)), timeout_s=SEND_TIMEOUT_S)
+    waiting = select.poll()
+    waiting.register(connection.fileno(), select.POLLIN)
+    waiting.register(template_pidfd, select.POLLIN)
     while True:
-        events = dict(poller.poll())
-        if sock in events:
+        ready = {fd for fd, _ in waiting.poll()}
+        if connection.fileno() in ready:
             break
-        if template_pidfd in events:
+        if template_pidfd in ready:
             os._exit(EXIT_ORPHANED)
-    call = call_decoder.decode(sock.recv())
+    call = call_decoder.decode(connection.recv())
     runs_programs = call.tool in RUNS_PROGRAMS
     confinement = None
     try:
@@ -236,9 +237,16 @@ def serve(
             confinement.release()
         os._exit(EXIT_TERMINATED)
     # The secret proves to the coordinator that this Result comes from the worker it chose.
-    sock.send(encoder.encode(msgspec.structs.replace(result, secret=call.secret)))
-    if confinement is not None:
-        confinement.release()
-    sock.close()
-    context.term()
+    answer = encoder.encode(msgspec.structs.replace(result, secret=call.secret))
+    try:
+        connection.send(answer, timeout_s=SEND_TIMEOUT_S)
+    except OSError:
+        # The coordinator is gone, or stopped reading: nobody will read this Result. Say so
+        # in the exit status (a clean exit tells the coordinator the Result is on its way).
+        os._exit(EXIT_UNDELIVERED)
+    finally:
+        if confinement is not None:
+            confinement.release()
+    # Exiting closes the connection; what the kernel holds of the Result still reaches the
+    # coordinator, which reads it before it sees the connection end.
     os._exit(0)

@@ -31,9 +31,11 @@ Each step applies where the machine permits it and is skipped where it does not
 (``sandbx-pool doctor`` shows which); ``network = false`` alone refuses the call when nothing
 can enforce it, since the caller asked for it explicitly.
 
-Landlock restricts only the calling thread and what it starts afterwards: ZeroMQ's I/O thread,
-made before, keeps its socket, and bash, forked from this thread, is confined with everything
-it starts. A confined process can neither ptrace nor signal a process outside its domain.
+Landlock restricts only the calling thread and what it starts afterwards (a worker has no
+other thread), and descriptors opened before keep their access: the worker's connection to
+the coordinator, made before, keeps working, and bash, forked from this thread, is confined
+with everything it starts. A confined process can neither ptrace nor signal a process outside
+its domain.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The template process ("zygote"): preloads everything, then forks one worker per call.
 
 Started by the coordinator (``python -m workers.template``) from a thread that lives as long as
-the pool. It stays single-threaded (no ZeroMQ context here: a context starts I/O threads, and
-forking a threaded process is unsafe), so each worker is a cheap fork of an interpreter that
-has already imported the runtime and every tool.
+the pool. It stays single-threaded (no libzmq here: a context starts I/O threads, and forking
+a threaded process is unsafe; workers speak ZMTP themselves, workers.zmtp), so each worker is
+a cheap fork of an interpreter that has already imported the runtime and every tool.
 
     coordinator --Spawn(n)--> template --fork--> worker (setsid, PDEATHSIG, own PID namespace)
     coordinator <--Spawned(token, pid) / Exited(pid, returncode)-- template (reaps on SIGCHLD)

@@ -1,0 +1,154 @@
+"""The worker's ZMTP DEALER against libzmq's own ROUTER, and against peers that break ZMTP."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from workers import zmtp
+
+MAX = 1 << 20
+
+
+@pytest.fixture
+def endpoint(tmp_path: Path) -> str:
+    return f"ipc://{tmp_path}/router.sock"
+
+
+@pytest.fixture
+def router(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.bind(endpoint)
+    yield sock
+    sock.close(linger=0)
+    context.term()
+
+
+def test_a_libzmq_router_routes_by_the_identity_announced(
+    router: zmq.Socket[bytes], endpoint: str
+) -> None:
+    dealer = zmtp.Dealer(endpoint, b"worker-7", max_message_bytes=MAX)
+    try:
+        dealer.handshake(timeout_s=5)
+        dealer.send(b"ready", timeout_s=5)
+        assert router.recv_multipart() == [b"worker-7", b"ready"]
+        # Short (< 256 bytes) and long frames, both ways.
+        for size in (0, 255, 256, 300_000):
+            router.send_multipart([b"worker-7", b"c" * size])
+            assert dealer.recv() == b"c" * size
+            dealer.send(b"r" * size, timeout_s=5)
+            assert router.recv_multipart() == [b"worker-7", b"r" * size]
+    finally:
+        dealer.close()
+
+
+def test_libzmq_reads_the_peer_credentials_of_our_connection(
+    router: zmq.Socket[bytes], endpoint: str
+) -> None:
+    # The coordinator checks a Ready's pid against the one the template forked.
+    dealer = zmtp.Dealer(endpoint, b"w", max_message_bytes=MAX)
+    try:
+        dealer.handshake(timeout_s=5)
+        dealer.send(b"ready", timeout_s=5)
+        frames = router.recv_multipart(copy=False)
+        assert str(frames[-1].get("Peer-Address")).rsplit(":", 1)[1] == str(os.getpid())
+    finally:
+        dealer.close()
+
+
+def test_a_libzmq_socket_a_dealer_cannot_talk_to_ends_the_handshake(endpoint: str) -> None:
+    # Which side notices first is a race: libzmq hangs up on our READY, or we refuse its.
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(endpoint)
+    try:
+        dealer = zmtp.Dealer(endpoint, b"w", max_message_bytes=MAX)
+        try:
+            with pytest.raises(ConnectionError):
+                dealer.handshake(timeout_s=5)
+        finally:
+            dealer.close()
+    finally:
+        publisher.close(linger=0)
+        context.term()
+
+
+class FakePeer:
+    """A unix socket server that sends the given bytes to whoever connects."""
+
+    def __init__(self, path: Path, reply: bytes) -> None:
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen(1)
+        self.reply = reply
+        self.thread = threading.Thread(target=self._serve)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.server.accept()
+        # The dealer may hang up first (it refused us): a reset is the expected end.
+        with conn, contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            conn.sendall(self.reply)
+            conn.shutdown(socket.SHUT_WR)
+            while conn.recv(4096):
+                pass
+
+    def close(self) -> None:
+        self.thread.join(5)
+        self.server.close()
+
+
+def router_ready(socket_type: bytes = b"ROUTER") -> bytes:
+    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    return bytes((0x04, len(body))) + body
+
+
+def talk_to(tmp_path: Path, reply: bytes, *, max_message_bytes: int = MAX) -> bytes:
+    path = tmp_path / "fake.sock"
+    peer = FakePeer(path, reply)
+    dealer = zmtp.Dealer(f"ipc://{path}", b"w", max_message_bytes=max_message_bytes)
+    try:
+        dealer.handshake(timeout_s=5)
+        return dealer.recv()
+    finally:
+        dealer.close()
+        peer.close()
+
+
+def test_commands_between_messages_are_skipped(tmp_path: Path) -> None:
+    ping = b"\x04\x07\x04PING\x00\x00"  # ZMTP 3.1 PING: ttl 0, no context
+    message = b"\x00\x05hello"
+    assert talk_to(tmp_path, zmtp.GREETING + router_ready() + ping + message) == b"hello"
+
+
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        (b"HTTP/1.1 400 Bad Request\r\n" + b"\x00" * 64, "does not speak ZMTP 3"),
+        (zmtp.GREETING.replace(b"NULL", b"CURV"), "CURV"),
+        (zmtp.GREETING + b"\x00\x05hello", "did not start with READY"),
+        (zmtp.GREETING + b"\x04\x07\x05READY\x0b", "malformed READY metadata"),
+        (zmtp.GREETING + router_ready(b"PUB"), "cannot talk to a b'PUB'"),
+        (zmtp.GREETING + router_ready() + b"\x01\x01a\x00\x01b", "multipart"),
+        (zmtp.GREETING + router_ready() + b"\x02" + struct.pack(">Q", 2 * MAX), "over"),
+    ],
+    ids=["not-zmtp", "mechanism", "no-ready", "bad-metadata", "pub", "multipart", "too-large"],
+)
+def test_a_peer_that_breaks_zmtp_is_refused(tmp_path: Path, reply: bytes, error: str) -> None:
+    with pytest.raises(zmtp.ProtocolError, match=error):
+        talk_to(tmp_path, reply)
+
+
+def test_a_peer_that_hangs_up_mid_frame_is_a_reset(tmp_path: Path) -> None:
+    with pytest.raises(ConnectionResetError):
+        talk_to(tmp_path, zmtp.GREETING + router_ready() + b"\x00\x05hel")
