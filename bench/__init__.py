@@ -8,6 +8,7 @@ Sections, one module each: ``latency`` (a read, one call at a time), ``cancel`` 
 outcome), ``throughput`` (8 in parallel, CPU per call, memory), ``soak`` (mixed calls with
 cancels, timeouts and escape attempts, then what is left). Around them: ``peers`` (the
 contenders), ``tasks`` (what the peers' workers run), ``forkfloor`` (the fork floor in a fresh
-interpreter), ``workspace`` (the files and the run's process marker), ``procs`` (processes,
-fds, memory and CPU from /proc), ``stats`` (percentiles, budgets), ``report`` (the Markdown).
+interpreter), ``workerconn`` (a worker's connection: ZMTP against a libzmq context),
+``workspace`` (the files and the run's process marker), ``procs`` (processes, fds, memory and
+CPU from /proc), ``stats`` (percentiles, budgets), ``report`` (the Markdown).
 """

@@ -21,7 +21,7 @@ from bench.cancel import CancelResult
 from bench.latency import LatencyResult
 from bench.procs import Leftovers
 from bench.soak import KINDS, SoakResult
-from bench.throughput import ThroughputResult
+from bench.throughput import ConnectionCost, ThroughputResult
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -279,6 +279,39 @@ def _throughput(result: ThroughputResult) -> str:
         + table(header, rows, "l")
         + "\n\n"
         + "\n".join(f"- {note}" for note in notes)
+        + _connection(result.connection)
+    )
+
+
+_CONNECTION_NAMES = {
+    "zmtp": "ZMTP spoken by the worker (workers.zmtp), what the pool does",
+    "libzmq": "a libzmq DEALER, with a context (two threads) per worker, as before",
+}
+
+
+def _connection(costs: list[ConnectionCost]) -> str:
+    if not costs:
+        return ""
+    base = next((c for c in costs if c.mode == "libzmq"), None)
+    rows = [
+        (
+            _CONNECTION_NAMES.get(cost.mode, cost.mode),
+            cost.cpu.count,
+            ms(cost.cpu.p50),
+            ms(cost.cpu.percentile_ms(90)),
+            f"{cost.faults_mean:.0f}",
+            times(base.cpu.p50 / cost.cpu.p50) if base is not None and cost.cpu.p50 else "",
+        )
+        for cost in costs
+    ]
+    header = ("worker's connection", "workers", "CPU p50 ms", "CPU p90 ms", "faults", "vs libzmq")
+    return (
+        "\n\n### A worker's connection to the coordinator\n\n"
+        + table(header, rows, "l")
+        + "\n\n- Workers forked one after the other from an interpreter loaded like the "
+        "template (pyzmq too, for the libzmq row), each serving one read from a libzmq ROUTER "
+        "in the bench process; CPU time and page faults per worker from wait4. The rows run "
+        "alternately, twice each (`bench/workerconn.py`)."
     )
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from loguru import logger
 
-from bench import procs
+from bench import procs, workerconn
 from bench.latency import read_once
 from bench.peers import PebblePool, ProcessPoolDisposable
 from bench.stats import Samples, ratio
@@ -64,9 +64,19 @@ class MemoryReport:
 
 
 @dataclass(frozen=True)
+class ConnectionCost:
+    """Forked workers serving one read each, by how they connect (bench.workerconn)."""
+
+    mode: str
+    cpu: Samples  # per worker, from wait4 (ns)
+    faults_mean: float
+
+
+@dataclass(frozen=True)
 class ThroughputResult:
     rows: list[ThroughputRow]
     memory: MemoryReport
+    connection: list[ConnectionCost]
 
     def row(self, key: str) -> ThroughputRow | None:
         return next((row for row in self.rows if row.key == key), None)
@@ -200,4 +210,18 @@ def run(
         _peer("ppe", ppe, calls, peer_max_s),
         _peer("pebble-warm", pebble_warm, calls, peer_max_s),
     ]
-    return ThroughputResult(rows, memory)
+    return ThroughputResult(rows, memory, _connection_costs(ws))
+
+
+def _connection_costs(ws: BenchWorkspace) -> list[ConnectionCost]:
+    logger.info("throughput: a worker's connection, ZMTP against a libzmq context")
+    endpoint = f"ipc://{ws.root}/workerconn.sock"
+    costs = workerconn.measure(endpoint, str(ws.workspace), ws.data.name, count=150, rounds=2)
+    return [
+        ConnectionCost(
+            mode,
+            Samples([cpu for cpu, _ in pairs]),
+            sum(faults for _, faults in pairs) / len(pairs),
+        )
+        for mode, pairs in costs.items()
+    ]
