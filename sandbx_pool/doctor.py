@@ -124,24 +124,31 @@ def _fuse() -> tuple[bool, str]:
 
 
 def _peer_pid() -> bool:
-    """Whether ZeroMQ reports a connection's pid (the pool's check on Ready messages)."""
+    """Whether ZeroMQ reports a worker connection's pid (the pool's check on Ready messages),
+    the connection made as a worker makes it (workers.zmtp)."""
     import zmq
 
     from sandbx_pool.inbox import peer_pid
+    from workers.zmtp import Dealer
 
     directory = tempfile.mkdtemp(prefix="sandbx-doctor-")
     context = zmq.Context()
+    dealer = None
     try:
         router = context.socket(zmq.ROUTER)
         router.bind(f"ipc://{directory}/s")
-        dealer = context.socket(zmq.DEALER)
-        dealer.connect(f"ipc://{directory}/s")
-        dealer.send(b"x")
+        dealer = Dealer(f"ipc://{directory}/s", b"doctor", max_message_bytes=1024)
+        dealer.handshake(timeout_s=5)
+        dealer.send(b"x", timeout_s=5)
         if not router.poll(5000):
             return False
         frames = router.recv_multipart(copy=False)
         return peer_pid(frames[-1]) == os.getpid()
+    except OSError:
+        return False
     finally:
+        if dealer is not None:
+            dealer.close()
         context.destroy(linger=0)
         shutil.rmtree(directory, ignore_errors=True)
 
