@@ -159,6 +159,7 @@ class Journal:
         args: dict[str, Any],
         cwd: str,
         timeout_s: float | None,
+        workspace: str | None = None,
     ) -> None:
         """Journal a call about to be dispatched; return once it is as durable as required.
 
@@ -181,6 +182,7 @@ class Journal:
                 args=summarize(arguments, limit),
                 cwd=cwd,
                 timeout_s=timeout_s,
+                workspace=workspace,
             )
 
         if call_id in self._open_calls:

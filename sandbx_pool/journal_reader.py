@@ -135,6 +135,28 @@ def in_doubt(scan: JournalScan, *, include_reported: bool = True) -> list[Intent
     return [record for _, record in left]
 
 
+def unfinished_writes(records: list[IntentRecord], workspace: str) -> list[str]:
+    """The paths (the workspace's cwd joined with the path) of the in-doubt writes and edits
+    made in ``workspace``, whose temp files may have been left behind. Those of another
+    workspace are only logged: a pool cleans its own workspace, nothing else."""
+    paths = []
+    for record in records:
+        path = record.args.get("path")
+        if record.tool not in ("write", "edit") or not isinstance(path, str):
+            continue
+        if record.workspace in (None, workspace):  # None: a journal from before it was kept
+            paths.append(os.path.join(record.cwd, path))
+        else:
+            logger.warning(
+                "in-doubt {} {} was in workspace {}, not this pool's: its temp file, if any,"
+                " stays (open a pool there with this journal to remove it)",
+                record.tool,
+                record.call_id,
+                record.workspace,
+            )
+    return paths
+
+
 def completed_call_ids(path: str | os.PathLike[str]) -> set[str]:
     """Call ids that have an outcome (any status): what ``run --resume`` skips."""
     return {

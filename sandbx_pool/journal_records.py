@@ -65,6 +65,9 @@ class IntentRecord(Record, tag="intent", frozen=True, kw_only=True):
     args: dict[str, Any]
     cwd: str
     timeout_s: float | None = None
+    #: The pool's workspace, which ``cwd`` is relative to (absent in journals written before
+    #: it was recorded).
+    workspace: str | None = None
 
 
 class StartedRecord(Record, tag="started", frozen=True, kw_only=True):

@@ -45,7 +45,7 @@ from typing import Any
 import msgspec
 from loguru import logger
 
-from sandbx_pool import confine
+from sandbx_pool import confine, journal_reader
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelCallback, CancelToken
 from sandbx_pool.config import Config, JournalPolicy, load_config
@@ -169,12 +169,9 @@ class Pool:
         await self._remove_leftovers()
 
     async def _remove_leftovers(self) -> None:
-        """Have a worker remove the temp files of writes and edits a crash left in doubt."""
-        paths = [
-            os.path.join(record.cwd, record.args["path"])
-            for record in self.in_doubt
-            if record.tool in ("write", "edit") and isinstance(record.args.get("path"), str)
-        ]
+        """Have a worker remove the temp files of writes and edits a crash left in doubt, in
+        this pool's workspace: another workspace's are only reported."""
+        paths = journal_reader.unfinished_writes(self.in_doubt, self.workspace)
         if not paths:
             return
         call = CallState(f"{self._id_prefix}-recovery", "_remove_temps", {"paths": paths}, 30.0)
@@ -321,6 +318,7 @@ class Pool:
                 args=raw if isinstance(raw, dict) else {"<invalid>": repr(raw)},
                 cwd=call.cwd or ".",
                 timeout_s=call.timeout_s,
+                workspace=self.workspace,
             )
         try:
             outcome = await self._run(call)

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from conftest import marked_config
+from loguru import logger
 
 from sandbx_pool import CancelToken, Config, Pool, Status
 from sandbx_pool.journal import Journal
@@ -191,3 +192,41 @@ async def test_reopening_removes_temps_of_writes_left_in_doubt(
         assert [record.call_id for record in pool.in_doubt] == ["lost-1"]
     assert not leftover.exists()
     assert bystander.read_text() == "mine"
+
+
+async def test_temps_of_writes_in_doubt_in_another_workspace_are_left_alone(
+    workspace: Path, tmp_path: Path
+) -> None:
+    # A journal reused by a pool on another workspace: the write in doubt happened in the
+    # other one, so its path here names another file, which must not be touched.
+    journal_path = tmp_path / "journal.jsonl"
+    journal = await Journal.open(journal_path, Config().journal)
+    for call_id, cwd, where in (
+        ("elsewhere-1", "sub", str(tmp_path / "other")),
+        ("here-1", ".", str(workspace)),
+    ):
+        await journal.intent(
+            call_id=call_id,
+            tool="write",
+            args={"path": f"{call_id}.txt", "content": "x"},
+            cwd=cwd,
+            timeout_s=None,
+            workspace=where,
+        )
+    await journal.close()
+    # (Recovery sweeps the directory of each write it owns: "sub" is only the other's.)
+    (workspace / "sub").mkdir()
+    not_ours = workspace / "sub" / ".elsewhere-1.txt.sbx-tmp-dead1234"
+    not_ours.write_text("someone else's")
+    ours = workspace / ".here-1.txt.sbx-tmp-dead5678"
+    ours.write_text("half")
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        async with Pool(workspace, journal=journal_path, config=marked_config()) as pool:
+            assert {record.call_id for record in pool.in_doubt} == {"elsewhere-1", "here-1"}
+    finally:
+        logger.remove(sink)
+    assert not ours.exists()
+    assert not_ours.read_text() == "someone else's"
+    assert any("elsewhere-1" in w and str(tmp_path / "other") in w for w in warnings), warnings
