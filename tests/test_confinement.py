@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -228,6 +229,28 @@ def test_prebuilt_file_rules_confine_like_a_workers_own(workspace: Path, outside
         "outside": "refused",
         "python": "yes",
     }
+
+
+@pytest.mark.skipif(landlock.abi_version() == 0, reason="no Landlock here")
+async def test_a_workspace_made_again_under_a_running_pool_still_works(
+    workspace: Path, tmp_path: Path
+) -> None:
+    # The template's prebuilt rules hold the workspace directory of the pool's start, by
+    # inode: once it is removed and made again (a harness resetting it between episodes),
+    # workers must notice and build their own rules, not refuse the new directory.
+    def make_again() -> None:
+        shutil.rmtree(workspace)
+        workspace.mkdir()
+        (workspace / "fresh.txt").write_text("new episode\n")
+
+    async with Pool(workspace, journal=tmp_path / "j.jsonl", config=marked_config()) as pool:
+        assert (await pool.call("read", {"path": "hello.txt"})).status is Status.OK
+        make_again()
+        read = await pool.call("read", {"path": "fresh.txt"})
+        assert read.status is Status.OK, read
+        write = await pool.call("write", {"path": "w.txt", "content": "x"})
+        assert write.status is Status.OK, write
+    assert (workspace / "w.txt").read_text() == "x"
 
 
 # -- walks that never hang --------------------------------------------------------------------

@@ -24,6 +24,8 @@ import signal
 import socket
 import sys
 
+import msgspec
+
 from workers import landlock
 from workers.containment import set_parent_death_signal
 from workers.protocol import ExecutionContext, Sandbox
@@ -75,6 +77,10 @@ class Preloaded:
         for rule in rules or ():
             rule.close()
 
+    def forget_rules(self) -> None:
+        """Forget the inherited descriptors, closed already by other means."""
+        self._opened = None
+
     def _open(self) -> list[landlock.PathBeneath]:
         return [r for path, rights in self._fixed if (r := landlock.PathBeneath.open(path, rights))]
 
@@ -112,15 +118,37 @@ def fixed_ruleset() -> landlock.Ruleset:
     return ruleset
 
 
-def add_file_rules(ruleset: landlock.Ruleset, workspace: str, box: Sandbox) -> None:
+#: What a path was when its rule was added: (device, inode), or None if it did not exist.
+Identity = tuple[int, int] | None
+
+
+def add_file_rules(ruleset: landlock.Ruleset, workspace: str, box: Sandbox) -> dict[str, Identity]:
     """What a file tool may reach beyond the fixed rules: the extras read-only, the workspace
-    and the extra writable paths read-write."""
+    and the extra writable paths read-write. Returns what each path was when granted."""
     roots = preload().read_only_roots
-    for path in dict.fromkeys(box.read_only):
-        if not within(path, roots):
-            ruleset.allow_path(path, READ)
-    for path in (workspace, *box.writable):
-        ruleset.allow_path(path, WRITE)
+    granted = [(path, READ) for path in dict.fromkeys(box.read_only) if not within(path, roots)]
+    granted += [(path, WRITE) for path in (workspace, *box.writable)]
+    identities: dict[str, Identity] = {}
+    for path, rights in granted:
+        beneath = landlock.PathBeneath.open(path, rights)
+        if beneath is None:
+            identities[path] = None
+            continue
+        try:
+            found = os.fstat(beneath.fd)
+            identities[path] = (found.st_dev, found.st_ino)
+            ruleset.allow(beneath)
+        finally:
+            beneath.close()
+    return identities
+
+
+def identity(path: str) -> Identity:
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return (found.st_dev, found.st_ino)
 
 
 class FileRules:
@@ -128,19 +156,26 @@ class FileRules:
     descriptor is inherited by every worker, and a domain entered from it copies the rules, so
     no worker ever changes it: the rules are only ever added in the helper."""
 
-    def __init__(self, workspace: str, box: Sandbox, fd: int) -> None:
+    def __init__(
+        self, workspace: str, box: Sandbox, fd: int, identities: dict[str, Identity]
+    ) -> None:
         self.workspace = workspace
         self.read_only = box.read_only
         self.writable = box.writable
         self.fd = fd
+        self.identities = identities
 
     def fits(self, ctx: ExecutionContext) -> bool:
+        """Whether the call's rules would be these: the same settings, and every path still
+        the file it was (a rule holds an inode, not a name: a workspace removed and made
+        again since is another directory, which these rules would refuse)."""
         box = ctx.sandbox
         return (
             box.filesystem == "workspace"
             and ctx.workspace == self.workspace
             and box.read_only == self.read_only
             and box.writable == self.writable
+            and all(identity(path) == then for path, then in self.identities.items())
         )
 
     def take(self) -> landlock.Ruleset:
@@ -162,32 +197,53 @@ def build_file_rules(workspace: str, box: Sandbox, timeout_s: float) -> FileRule
     if landlock.abi_version() == 0 or box.filesystem != "workspace":
         return None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # the helper
-        ours.close()
-        _serve_file_rules(theirs, workspace, box)
+        _serve_file_rules(theirs, workspace, box, parent)
     theirs.close()
+    fds: list[int] = []
     try:
-        if not select.select([ours], [], [], timeout_s)[0]:
+        answer = select.poll()
+        answer.register(ours, select.POLLIN)
+        if not answer.poll(timeout_s * 1000):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             return None
-        _, fds, _, _ = socket.recv_fds(ours, 16, 1)
+        # Close-on-exec from the start: nothing we exec may hold a ruleset every worker enters.
+        data, fds, _, _ = socket.recv_fds(ours, 1 << 16, 1, socket.MSG_CMSG_CLOEXEC)
+        identities = msgspec.msgpack.decode(data, type=dict[str, Identity]) if fds else {}
+    except (OSError, msgspec.DecodeError):
+        for fd in fds:
+            os.close(fd)
+        return None
     finally:
         ours.close()
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
-    return FileRules(workspace, box, fds[0]) if fds else None
+    return FileRules(workspace, box, fds[0], identities) if fds else None
 
 
-def _serve_file_rules(channel: socket.socket, workspace: str, box: Sandbox) -> None:
+def _serve_file_rules(channel: socket.socket, workspace: str, box: Sandbox, parent: int) -> None:
     """In the helper: build the ruleset and hand its descriptor over, or hang up."""
     code = 1
     try:
         set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != parent:  # the template died before PDEATHSIG was armed
+            return
+        # Hold nothing of the template's: not its end of the coordinator's socket (whose
+        # hang-up tells the coordinator the template is gone, even if we are stuck on a hung
+        # mount), not its signal handlers or wakeup fd. The fixed rules are opened afresh.
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        keep = channel.fileno()
+        os.closerange(3, keep)
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+        preload().forget_rules()
         ruleset = fixed_ruleset()
-        add_file_rules(ruleset, workspace, box)
-        socket.send_fds(channel, [b"rules"], [ruleset.fd])
+        identities = add_file_rules(ruleset, workspace, box)
+        socket.send_fds(channel, [msgspec.msgpack.encode(identities)], [ruleset.fd])
         code = 0
     except OSError:
         pass  # no descriptor: the workers build their own rules, and report what fails

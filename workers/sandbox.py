@@ -382,6 +382,7 @@ def _rulesets(
                 # Only to remove the TMPDIR itself at the end; the root is not listable.
                 ruleset.allow_path(box.tmp_root, landlock.REMOVE_DIR)
     else:
+        preload().drop_rules()
         # No filesystem rules, but a domain still (for the ptrace and scope rules): it handles
         # device-node creation, which nobody is granted.
         handled = landlock.MAKE_CHAR | landlock.MAKE_BLOCK
