@@ -27,10 +27,15 @@ def _worker(endpoint: str, workspace: str, mode: str, token: str) -> None:
     os.setsid()
     ready = encoder.encode(Ready(token=token))
     if mode == "zmtp":
-        connection = zmtp.Dealer(endpoint, token.encode(), max_message_bytes=MAX_MESSAGE_BYTES)
+        connection = zmtp.Dealer(
+            endpoint, token.encode(), max_message_bytes=MAX_MESSAGE_BYTES, timeout_s=10
+        )
         connection.handshake(timeout_s=10)
         connection.send(ready, timeout_s=10)
-        call = call_decoder.decode(connection.recv())
+        payload = None
+        while payload is None:
+            payload = connection.recv(timeout_s=10)
+        call = call_decoder.decode(payload)
         connection.send(encoder.encode(runtime.run_call(call)), timeout_s=10)
     else:
         import zmq

@@ -137,7 +137,7 @@ def _peer_pid() -> bool:
     try:
         router = context.socket(zmq.ROUTER)
         router.bind(f"ipc://{directory}/s")
-        dealer = Dealer(f"ipc://{directory}/s", b"doctor", max_message_bytes=1024)
+        dealer = Dealer(f"ipc://{directory}/s", b"doctor", max_message_bytes=1024, timeout_s=5)
         dealer.handshake(timeout_s=5)
         dealer.send(b"x", timeout_s=5)
         if not router.poll(5000):

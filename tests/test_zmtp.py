@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import struct
 import threading
@@ -37,7 +38,7 @@ def router(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
 def test_a_libzmq_router_routes_by_the_identity_announced(
     router: zmq.Socket[bytes], endpoint: str
 ) -> None:
-    dealer = zmtp.Dealer(endpoint, b"worker-7", max_message_bytes=MAX)
+    dealer = zmtp.Dealer(endpoint, b"worker-7", max_message_bytes=MAX, timeout_s=5)
     try:
         dealer.handshake(timeout_s=5)
         dealer.send(b"ready", timeout_s=5)
@@ -45,7 +46,7 @@ def test_a_libzmq_router_routes_by_the_identity_announced(
         # Short (< 256 bytes) and long frames, both ways.
         for size in (0, 255, 256, 300_000):
             router.send_multipart([b"worker-7", b"c" * size])
-            assert dealer.recv() == b"c" * size
+            assert dealer.recv(timeout_s=5) == b"c" * size
             dealer.send(b"r" * size, timeout_s=5)
             assert router.recv_multipart() == [b"worker-7", b"r" * size]
     finally:
@@ -56,7 +57,7 @@ def test_libzmq_reads_the_peer_credentials_of_our_connection(
     router: zmq.Socket[bytes], endpoint: str
 ) -> None:
     # The coordinator checks a Ready's pid against the one the template forked.
-    dealer = zmtp.Dealer(endpoint, b"w", max_message_bytes=MAX)
+    dealer = zmtp.Dealer(endpoint, b"w", max_message_bytes=MAX, timeout_s=5)
     try:
         dealer.handshake(timeout_s=5)
         dealer.send(b"ready", timeout_s=5)
@@ -72,7 +73,7 @@ def test_a_libzmq_socket_a_dealer_cannot_talk_to_ends_the_handshake(endpoint: st
     publisher = context.socket(zmq.PUB)
     publisher.bind(endpoint)
     try:
-        dealer = zmtp.Dealer(endpoint, b"w", max_message_bytes=MAX)
+        dealer = zmtp.Dealer(endpoint, b"w", max_message_bytes=MAX, timeout_s=5)
         try:
             with pytest.raises(ConnectionError):
                 dealer.handshake(timeout_s=5)
@@ -84,13 +85,17 @@ def test_a_libzmq_socket_a_dealer_cannot_talk_to_ends_the_handshake(endpoint: st
 
 
 class FakePeer:
-    """A unix socket server that sends the given bytes to whoever connects."""
+    """A unix socket server that sends the given bytes to whoever connects, then ``later``
+    once ``go`` is set, then hangs up."""
 
-    def __init__(self, path: Path, reply: bytes) -> None:
+    def __init__(self, path: Path, reply: bytes, later: bytes = b"") -> None:
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(str(path))
         self.server.listen(1)
-        self.reply = reply
+        self.reply, self.later = reply, later
+        self.go = threading.Event()
+        if not later:
+            self.go.set()
         self.thread = threading.Thread(target=self._serve)
         self.thread.start()
 
@@ -99,11 +104,14 @@ class FakePeer:
         # The dealer may hang up first (it refused us): a reset is the expected end.
         with conn, contextlib.suppress(ConnectionResetError, BrokenPipeError):
             conn.sendall(self.reply)
+            self.go.wait(10)
+            conn.sendall(self.later)
             conn.shutdown(socket.SHUT_WR)
             while conn.recv(4096):
                 pass
 
     def close(self) -> None:
+        self.go.set()
         self.thread.join(5)
         self.server.close()
 
@@ -116,10 +124,10 @@ def router_ready(socket_type: bytes = b"ROUTER") -> bytes:
 def talk_to(tmp_path: Path, reply: bytes, *, max_message_bytes: int = MAX) -> bytes:
     path = tmp_path / "fake.sock"
     peer = FakePeer(path, reply)
-    dealer = zmtp.Dealer(f"ipc://{path}", b"w", max_message_bytes=max_message_bytes)
+    dealer = zmtp.Dealer(f"ipc://{path}", b"w", max_message_bytes=max_message_bytes, timeout_s=5)
     try:
         dealer.handshake(timeout_s=5)
-        return dealer.recv()
+        return dealer.recv(timeout_s=5)
     finally:
         dealer.close()
         peer.close()
@@ -152,3 +160,49 @@ def test_a_peer_that_breaks_zmtp_is_refused(tmp_path: Path, reply: bytes, error:
 def test_a_peer_that_hangs_up_mid_frame_is_a_reset(tmp_path: Path) -> None:
     with pytest.raises(ConnectionResetError):
         talk_to(tmp_path, zmtp.GREETING + router_ready() + b"\x00\x05hel")
+
+
+def test_a_command_alone_leaves_the_caller_polling(tmp_path: Path) -> None:
+    path = tmp_path / "fake.sock"
+    ping = b"\x04\x07\x04PING\x00\x00"
+    peer = FakePeer(path, zmtp.GREETING + router_ready() + ping, later=b"\x00\x04call")
+    dealer = zmtp.Dealer(f"ipc://{path}", b"w", max_message_bytes=MAX, timeout_s=5)
+    try:
+        dealer.handshake(timeout_s=5)
+        assert select.select([dealer], [], [], 5)[0]  # the PING
+        assert dealer.recv(timeout_s=5) is None  # nothing else yet: back to waiting
+        peer.go.set()
+        assert select.select([dealer], [], [], 5)[0]
+        assert dealer.recv(timeout_s=5) == b"call"
+    finally:
+        dealer.close()
+        peer.close()
+
+
+def test_a_peer_that_stalls_mid_frame_times_out(tmp_path: Path) -> None:
+    path = tmp_path / "fake.sock"
+    peer = FakePeer(path, zmtp.GREETING + router_ready() + b"\x00\x05hel", later=b"lo")
+    dealer = zmtp.Dealer(f"ipc://{path}", b"w", max_message_bytes=MAX, timeout_s=5)
+    try:
+        dealer.handshake(timeout_s=5)
+        with pytest.raises(TimeoutError, match="middle of a frame"):
+            dealer.recv(timeout_s=0.2)
+    finally:
+        dealer.close()
+        peer.close()
+
+
+def test_a_peer_that_stops_accepting_times_the_connection_out(tmp_path: Path) -> None:
+    # A listener whose queue is full (backlog 0, one connection waiting) and never accepts:
+    # a unix socket's connect waits for room, so it must be bounded.
+    path = tmp_path / "stalled.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(0)
+    first = zmtp.Dealer(f"ipc://{path}", b"a", max_message_bytes=MAX, timeout_s=5)
+    try:
+        with pytest.raises(TimeoutError, match="no connection"):
+            zmtp.Dealer(f"ipc://{path}", b"b", max_message_bytes=MAX, timeout_s=0.2)
+    finally:
+        first.close()
+        server.close()

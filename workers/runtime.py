@@ -39,7 +39,8 @@ from workers.rules import FileRules
 from workers.schemas import UnknownTool, parse_args
 from workers.tools import RUNS_PROGRAMS, WORKER_ACTIONS
 
-#: Exit status of an idle worker whose template died (nobody will ever send it a call).
+#: Exit status of an idle worker that will never get a call: its template died, or its
+#: coordinator hung up or stopped answering.
 EXIT_ORPHANED = 75
 
 #: Exit status of a worker the coordinator stopped with SIGTERM (it sends no Result).
@@ -48,11 +49,9 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 #: Exit status of a worker that could not hand its Result over (the coordinator stopped reading).
 EXIT_UNDELIVERED = 74
 
-#: How long a finished worker waits for a coordinator that stopped reading its Result.
-SEND_TIMEOUT_S = 2.0
-
-#: How long a new worker waits for the coordinator's side of the ZeroMQ handshake.
-HANDSHAKE_TIMEOUT_S = 10.0
+#: How long a worker waits on a coordinator that is alive but not answering: to accept its
+#: connection, to answer its handshake, to read what it sends, to finish sending a Call.
+PEER_TIMEOUT_S = 10.0
 
 _RLIMITS: dict[str, tuple[int, str]] = {
     "address_space_bytes": (resource.RLIMIT_AS, "memory"),
@@ -187,6 +186,21 @@ def warm_up() -> None:
     encoder.encode(run_call(call))
 
 
+def _wait_for_call(connection: zmtp.Dealer, template_pidfd: int) -> bytes:
+    """The Call's bytes, once they come; exits if the template dies first."""
+    waiting = select.poll()
+    waiting.register(connection.fileno(), select.POLLIN)
+    waiting.register(template_pidfd, select.POLLIN)
+    while True:
+        ready = {fd for fd, _ in waiting.poll()}
+        if template_pidfd in ready:
+            os._exit(EXIT_ORPHANED)
+        if connection.fileno() in ready:
+            payload = connection.recv(timeout_s=PEER_TIMEOUT_S)
+            if payload is not None:
+                return payload
+
+
 def serve(
     token: str, endpoint: str, template_pidfd: int, file_rules: FileRules | None = None
 ) -> None:
@@ -207,19 +221,20 @@ def serve(
     # while idle, and a connection is only made once the worker can take a call at once.
     warm_up()
     prepared = sandbox.prepare(file_rules)
-    connection = zmtp.Dealer(endpoint, token.encode(), max_message_bytes=MAX_MESSAGE_BYTES)
-    connection.handshake(timeout_s=HANDSHAKE_TIMEOUT_S)
-    connection.send(encoder.encode(Ready(token=token)), timeout_s=SEND_TIMEOUT_S)
-    waiting = select.poll()
-    waiting.register(connection.fileno(), select.POLLIN)
-    waiting.register(template_pidfd, select.POLLIN)
-    while True:
-        ready = {fd for fd, _ in waiting.poll()}
-        if connection.fileno() in ready:
-            break
-        if template_pidfd in ready:
-            os._exit(EXIT_ORPHANED)
-    call = call_decoder.decode(connection.recv())
+    try:
+        connection = zmtp.Dealer(
+            endpoint, token.encode(), max_message_bytes=MAX_MESSAGE_BYTES, timeout_s=PEER_TIMEOUT_S
+        )
+        connection.handshake(timeout_s=PEER_TIMEOUT_S)
+        connection.send(encoder.encode(Ready(token=token)), timeout_s=PEER_TIMEOUT_S)
+        payload = _wait_for_call(connection, template_pidfd)
+    except zmtp.ProtocolError:
+        raise  # a bug on one side or the other: let the traceback show it
+    except (ConnectionError, TimeoutError):
+        # The coordinator is gone, closing, or not answering: no call will come (it learns
+        # of our exit from the template).
+        os._exit(EXIT_ORPHANED)
+    call = call_decoder.decode(payload)
     runs_programs = call.tool in RUNS_PROGRAMS
     confinement = None
     try:
@@ -239,7 +254,7 @@ def serve(
     # The secret proves to the coordinator that this Result comes from the worker it chose.
     answer = encoder.encode(msgspec.structs.replace(result, secret=call.secret))
     try:
-        connection.send(answer, timeout_s=SEND_TIMEOUT_S)
+        connection.send(answer, timeout_s=PEER_TIMEOUT_S)
     except OSError:
         # The coordinator is gone, or stopped reading: nobody will read this Result. Say so
         # in the exit status (a clean exit tells the coordinator the Result is on its way).

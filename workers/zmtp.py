@@ -22,6 +22,7 @@ talk to, a message larger than allowed) raises ProtocolError.
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 
@@ -44,15 +45,27 @@ class ProtocolError(ConnectionError):
 class Dealer:
     """One blocking ZMTP connection to a ZeroMQ ROUTER bound on an ipc:// endpoint."""
 
-    def __init__(self, endpoint: str, identity: bytes, *, max_message_bytes: int) -> None:
-        if not endpoint.startswith("ipc://"):
-            raise ValueError(f"only ipc:// endpoints are supported, not {endpoint!r}")
+    def __init__(
+        self, endpoint: str, identity: bytes, *, max_message_bytes: int, timeout_s: float
+    ) -> None:
+        """Connect, waiting ``timeout_s`` at most (a coordinator that stopped accepting
+        leaves its listen queue full, and a unix socket's connect then waits)."""
+        if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+            raise ValueError(f"only ipc:// endpoints with a path are supported, not {endpoint!r}")
         if not 0 < len(identity) < 256 or identity[0] == 0:
             raise ValueError("a routing identity is 1-255 bytes and does not start with 0")
         self.identity = identity
         self.max_message_bytes = max_message_bytes
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self._sock.connect(endpoint.removeprefix("ipc://"))
+        try:
+            self._set_timeout(socket.SO_SNDTIMEO, timeout_s)
+            self._sock.connect(endpoint.removeprefix("ipc://"))
+        except BlockingIOError as exc:
+            self._sock.close()
+            raise TimeoutError(f"no connection to {endpoint} within {timeout_s:g} s") from exc
+        except BaseException:
+            self._sock.close()
+            raise
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -60,6 +73,7 @@ class Dealer:
     def handshake(self, *, timeout_s: float) -> None:
         """Send our greeting and READY in one write, then read and check the peer's (libzmq
         answers from its I/O thread at once), waiting ``timeout_s`` at most for each read.
+        Raises TimeoutError, ProtocolError or another ConnectionError.
 
         No message may follow our READY before the peer's READY has arrived: until libzmq has
         sent its own, it takes every frame for a handshake command, and a message for a
@@ -71,13 +85,15 @@ class Dealer:
         try:
             self._check_greeting(self._read_exact(len(GREETING)))
             flags, body = self._read_frame()
-            if not flags & _COMMAND or body[:6] != b"\x05READY":
-                raise ProtocolError("the peer's handshake did not start with READY")
-            socket_type = _properties(body[6:]).get(b"Socket-Type")
-            if socket_type not in _PEERS_OF_DEALER:
-                raise ProtocolError(f"a DEALER cannot talk to a {socket_type!r} socket")
+        except TimeoutError as exc:
+            raise TimeoutError(f"no ZMTP handshake from the peer within {timeout_s:g} s") from exc
         finally:
             self._set_timeout(socket.SO_RCVTIMEO, 0)
+        if not flags & _COMMAND or body[:6] != b"\x05READY":
+            raise ProtocolError("the peer's handshake did not start with READY")
+        socket_type = _properties(body[6:]).get(b"Socket-Type")
+        if socket_type not in _PEERS_OF_DEALER:
+            raise ProtocolError(f"a DEALER cannot talk to a {socket_type!r} socket")
 
     def send(self, payload: bytes, *, timeout_s: float) -> None:
         """Send one single-frame message, waiting ``timeout_s`` at most for a peer that has
@@ -85,15 +101,24 @@ class Dealer:
         self._set_timeout(socket.SO_SNDTIMEO, timeout_s)
         self._sock.sendall(_frame(payload, flags=0))
 
-    def recv(self) -> bytes:
-        """The next message's one frame (commands from the peer are skipped)."""
-        while True:
-            flags, body = self._read_frame()
-            if flags & _COMMAND:
-                continue  # PING and the like: nothing a one-call peer must answer
-            if flags & _MORE:
-                raise ProtocolError("a multipart message where one frame was expected")
-            return body
+    def recv(self, *, timeout_s: float) -> bytes | None:
+        """The next message's one frame, for a caller that polled the socket readable; None
+        when only commands were waiting (poll again). A frame once begun must arrive whole
+        within ``timeout_s``."""
+        self._set_timeout(socket.SO_RCVTIMEO, timeout_s)
+        try:
+            while True:
+                flags, body = self._read_frame()
+                if not flags & _COMMAND:
+                    break
+                # PING and the like: nothing a one-call peer must answer.
+                if not select.select([self._sock], [], [], 0)[0]:
+                    return None
+        finally:
+            self._set_timeout(socket.SO_RCVTIMEO, 0)
+        if flags & _MORE:
+            raise ProtocolError("a multipart message where one frame was expected")
+        return body
 
     def close(self) -> None:
         self._sock.close()
@@ -124,7 +149,10 @@ class Dealer:
         data = bytearray(size)
         view, got = memoryview(data), 0
         while got < size:
-            n = self._sock.recv_into(view[got:])
+            try:
+                n = self._sock.recv_into(view[got:])
+            except BlockingIOError as exc:  # SO_RCVTIMEO ran out
+                raise TimeoutError("the peer stopped sending in the middle of a frame") from exc
             if n == 0:
                 raise ConnectionResetError("the peer closed the connection")
             got += n
