@@ -162,6 +162,35 @@ async def test_every_operation_is_journaled(
     assert all(outcomes.get(r["call_id"]) == "ok" for r in last_three)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a sample user needs a root pool")
+async def test_read_file_reads_as_the_sample_user(tmp_path: Path) -> None:
+    # The suite's test_read_file_not_allowed, which root cannot pass, with a sample user:
+    # read_file runs as that user, as exec does, so a file it may not read is refused. (Set up
+    # with exec, not write_file: write_file runs this interpreter, which the user may not be
+    # allowed to execute here.)
+    config = SandbxConfig(
+        journal=str(tmp_path / "journal.jsonl"),
+        pool_config=_pool_toml(tmp_path),
+        workers=2,
+        user="nobody",
+    )
+    await SandbxSandboxEnvironment.task_init("startup", config)
+    try:
+        environments = await SandbxSandboxEnvironment.sample_init("test", config, {})
+        try:
+            environment = environments["default"]
+            made = await environment.exec(["sh", "-c", "echo mine > a.txt; chmod 000 a.txt"])
+            assert made.success, made.stderr
+            with pytest.raises(PermissionError, match=r"a\.txt"):
+                await environment.read_file("a.txt")
+            await environment.exec(["chmod", "600", "a.txt"])
+            assert await environment.read_file("a.txt") == "mine\n"
+        finally:
+            await SandbxSandboxEnvironment.sample_cleanup("test", config, environments, False)
+    finally:
+        await SandbxSandboxEnvironment.task_cleanup("shutdown", config, True)
+
+
 # -- an end-to-end eval -------------------------------------------------------------------------
 
 

@@ -360,6 +360,31 @@ async def test_run_as_drops_to_that_user(tmp_path: Path) -> None:
         shutil.rmtree(workspace)
 
 
+@needs_root
+async def test_read_as_a_user_honours_file_modes(tmp_path: Path) -> None:
+    # A root pool reads anything; read with `user` drops its worker to that user first, so a
+    # file only root may read is refused and one anybody may read is not.
+    workspace = Path(tempfile.mkdtemp(prefix="sbx-read-as-"))
+    try:
+        os.chmod(workspace, 0o755)
+        (workspace / "secret.txt").write_text("root only\n")
+        os.chmod(workspace / "secret.txt", 0o600)
+        (workspace / "open.txt").write_text("anybody\n")
+        async with Pool(workspace, journal=tmp_path / "j.jsonl", config=marked_config()) as pool:
+            as_pool = await pool.call("read", {"path": "secret.txt"})
+            refused = await pool.call("read", {"path": "secret.txt", "user": "nobody"})
+            allowed = await pool.call("read", {"path": "open.txt", "user": "nobody"})
+            unknown = await pool.call("read", {"path": "open.txt", "user": "no-such-user-here"})
+        assert as_pool.status is Status.OK, as_pool
+        assert refused.status is Status.ERROR, refused
+        assert "permission denied" in (refused.error or ""), refused
+        assert allowed.status is Status.OK, allowed
+        assert unknown.status is Status.ERROR
+        assert unknown.error == "unknown user 'no-such-user-here'", unknown
+    finally:
+        shutil.rmtree(workspace)
+
+
 def test_an_unknown_run_as_user_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no-such-user-here"):
         Pool(tmp_path, config=marked_config(sandbox={"run_as": "no-such-user-here"}))

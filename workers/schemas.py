@@ -38,6 +38,10 @@ class ReadArgs(ToolArgs):
             "stay unset; `truncated` past the output cap). 'utf-8': lines of text in `content`."
         ),
     ] = "utf-8"
+    # Integrations that run a sample as a user (Inspect's read_file) read as that user too.
+    user: Annotated[
+        str | None, Meta(description="Read as this user name or uid (the pool must be root).")
+    ] = None
 
 
 class WriteArgs(ToolArgs):

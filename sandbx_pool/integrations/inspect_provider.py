@@ -4,7 +4,7 @@
       task_init(config) ----------> one Pool per sandbox config, its journal, a task directory
       sample_init ----------------> a sample directory under it (mktemp -d, through the pool)
         exec(cmd, input, ...) ----> pool.call("bash", {argv, stdin, user}): no shell, own worker
-        read_file(file, text) ----> pool.call("read", {path, encoding: "bytes"})
+        read_file(file, text) ----> pool.call("read", {path, encoding: "bytes", user})
         write_file(file, data) ---> pool.call("bash", {argv: [python, WRITE_SCRIPT, file]})
       sample_cleanup -------------> rm -rf the sample directory (through the pool)
       task_cleanup ---------------> rm -rf the task directory, close the Pool
@@ -118,7 +118,7 @@ class SandbxConfig(BaseModel):
 
     workspace: str = "/"  # what every path is confined to; "/" is Inspect's local model
     root: str = "/tmp"  # where each task's directory (holding the sample directories) is made
-    user: str | None = None  # who exec and write_file run as when the caller names nobody
+    user: str | None = None  # who exec, read_file and write_file run as (None: the pool's)
     journal: str | None = None  # the task's journal (None: a fresh one, logged)
     workers: int | None = None  # parallel calls at most (None: the pool's default)
     pool_config: str | None = None  # a sandbx-pool TOML file: env, limits, gate, sandbox
@@ -380,11 +380,11 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
     async def read_file(self, file: str, text: Literal[False]) -> bytes: ...
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
+        args: dict[str, Any] = {"path": self._path(file), "encoding": "bytes"}
+        if self.task.settings.user is not None:
+            args["user"] = self.task.settings.user  # as exec and write_file: file modes hold
         outcome = await self.task.pool.call(
-            "read",
-            {"path": self._path(file), "encoding": "bytes"},
-            timeout=HOUSEKEEPING_TIMEOUT_S,
-            cwd=self.directory,
+            "read", args, timeout=HOUSEKEEPING_TIMEOUT_S, cwd=self.directory
         )
         if outcome.status is Status.TIMEOUT:
             raise TimeoutError(f"reading {file} timed out")

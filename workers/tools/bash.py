@@ -25,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import pwd
 import selectors
 import subprocess
 from typing import Any
 
+from workers import users
 from workers.containment import kill_descendants
 from workers.errors import OutputLimitExceeded, ToolError
 from workers.paths import resolve
@@ -69,20 +69,14 @@ class _ExecFailed(Exception):
 
 def _identity(name: str, env: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     """Popen's user/group/extra_groups for ``name`` (or a uid), and env as runuser sets it."""
-    try:
-        entry = pwd.getpwuid(int(name)) if name.isdecimal() else pwd.getpwnam(name)
-    except (KeyError, ValueError):
-        raise ToolError(f"unknown user {name!r}") from None
-    if os.geteuid() != 0 and entry.pw_uid != os.geteuid():
-        raise ToolError(f"cannot run as user {name!r}: the worker is not root")
-    groups = os.getgrouplist(entry.pw_name, entry.pw_gid)
-    switched = {**env, "HOME": entry.pw_dir, "USER": entry.pw_name, "LOGNAME": entry.pw_name}
+    user = users.lookup(name)
+    switched = {**env, "HOME": user.home, "USER": user.name, "LOGNAME": user.name}
     tmpdir = env.get("TMPDIR")
     if tmpdir and os.geteuid() == 0:
         # The call's private TMPDIR was made for the worker's user; hand it to the command's.
         with contextlib.suppress(OSError):
-            os.chown(tmpdir, entry.pw_uid, entry.pw_gid)
-    ids = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": groups}
+            os.chown(tmpdir, user.uid, user.gid)
+    ids = {"user": user.uid, "group": user.gid, "extra_groups": user.groups}
     return ids, switched
 
 

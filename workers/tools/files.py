@@ -16,6 +16,7 @@ import os
 import stat
 from typing import IO, Any
 
+from workers import users
 from workers.errors import LimitExceeded, ToolError
 from workers.paths import check_opened, resolve
 from workers.protocol import ExecutionContext
@@ -170,9 +171,11 @@ def read_file(args: ReadArgs, ctx: ExecutionContext) -> dict[str, Any]:
     deadline ends it. When even the first requested line exceeds the byte cap, its prefix up to
     the cap is returned (``lines`` 1, ``truncated`` True) rather than nothing.
     """
-    real = resolve(ctx, args.path)
     if args.encoding == "bytes" and (args.offset or args.limit is not None):
         raise ToolError("offset and limit count lines: they do not apply to encoding 'bytes'")
+    if args.user is not None:
+        users.become(users.lookup(args.user))  # before the path is even resolved: as them
+    real = resolve(ctx, args.path)
     try:
         f = _buffered(os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
     except OSError as exc:
