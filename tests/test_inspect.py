@@ -157,17 +157,15 @@ async def test_every_operation_is_journaled(
     intents = [r for r in records if r["kind"] == "intent"]
     outcomes = {r["call_id"]: r["status"] for r in records if r["kind"] == "outcome"}
     last_three = intents[-3:]
-    assert [r["tool"] for r in last_three] == ["bash", "read", "bash"]
+    assert [r["tool"] for r in last_three] == ["write", "read", "bash"]
     assert last_three[2]["args"]["argv"] == ["true"]
     assert all(outcomes.get(r["call_id"]) == "ok" for r in last_three)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a sample user needs a root pool")
-async def test_read_file_reads_as_the_sample_user(tmp_path: Path) -> None:
-    # The suite's test_read_file_not_allowed, which root cannot pass, with a sample user:
-    # read_file runs as that user, as exec does, so a file it may not read is refused. (Set up
-    # with exec, not write_file: write_file runs this interpreter, which the user may not be
-    # allowed to execute here.)
+async def test_file_modes_hold_for_a_sample_user(tmp_path: Path) -> None:
+    # The suite's permission checks, which root cannot pass (EXPECTED_FAILURES), with a sample
+    # user: exec, read_file and write_file all run as that user, so file modes hold again.
     config = SandbxConfig(
         journal=str(tmp_path / "journal.jsonl"),
         pool_config=_pool_toml(tmp_path),
@@ -179,12 +177,13 @@ async def test_read_file_reads_as_the_sample_user(tmp_path: Path) -> None:
         environments = await SandbxSandboxEnvironment.sample_init("test", config, {})
         try:
             environment = environments["default"]
-            made = await environment.exec(["sh", "-c", "echo mine > a.txt; chmod 000 a.txt"])
-            assert made.success, made.stderr
-            with pytest.raises(PermissionError, match=r"a\.txt"):
-                await environment.read_file("a.txt")
-            await environment.exec(["chmod", "600", "a.txt"])
-            assert await environment.read_file("a.txt") == "mine\n"
+            await test_read_file_not_allowed(environment)  # noqa: F405
+            await test_write_text_file_without_permissions(environment)  # noqa: F405
+            await test_write_binary_file_without_permissions(environment)  # noqa: F405
+            await environment.write_file("mine.txt", b"\x00\xffbytes")
+            owner = await environment.exec(["stat", "-c", "%U", "mine.txt"])
+            assert owner.stdout.strip() == "nobody"
+            assert await environment.read_file("mine.txt", text=False) == b"\x00\xffbytes"
         finally:
             await SandbxSandboxEnvironment.sample_cleanup("test", config, environments, False)
     finally:

@@ -385,6 +385,38 @@ async def test_read_as_a_user_honours_file_modes(tmp_path: Path) -> None:
         shutil.rmtree(workspace)
 
 
+@needs_root
+async def test_write_as_a_user_honours_file_modes(tmp_path: Path) -> None:
+    # Replacing a file needs only the directory's permission; write refuses a file its writer
+    # may not write all the same, as open() would. content_bytes writes exact bytes.
+    workspace = Path(tempfile.mkdtemp(prefix="sbx-write-as-"))
+    try:
+        os.chmod(workspace, 0o777)
+        (workspace / "theirs.txt").write_text("root's\n")
+        os.chmod(workspace / "theirs.txt", 0o644)
+        async with Pool(workspace, journal=tmp_path / "j.jsonl", config=marked_config()) as pool:
+            refused = await pool.call(
+                "write", {"path": "theirs.txt", "content": "nobody's", "user": "nobody"}
+            )
+            made = await pool.call(
+                "write",
+                {"path": "new.bin", "content": "", "content_bytes": b"\x00\xff", "user": "nobody"},
+            )
+            both = await pool.call("write", {"path": "x", "content": "a", "content_bytes": b"b"})
+            as_root = await pool.call("write", {"path": "theirs.txt", "content": "root again"})
+        assert refused.status is Status.ERROR, refused
+        assert refused.error == "theirs.txt: permission denied", refused
+        assert made.status is Status.OK, made
+        assert (workspace / "new.bin").read_bytes() == b"\x00\xff"
+        assert (workspace / "new.bin").stat().st_uid == 65534
+        assert both.status is Status.ERROR
+        assert "content or content_bytes" in (both.error or "")
+        assert as_root.status is Status.OK, as_root
+        assert (workspace / "theirs.txt").read_text() == "root again"
+    finally:
+        shutil.rmtree(workspace)
+
+
 def test_an_unknown_run_as_user_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no-such-user-here"):
         Pool(tmp_path, config=marked_config(sandbox={"run_as": "no-such-user-here"}))

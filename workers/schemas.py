@@ -49,6 +49,18 @@ class WriteArgs(ToolArgs):
 
     path: Path
     content: Annotated[str, Meta(description="The file's new content.")]
+    # Integrations that hold bytes and a sample user (Inspect's write_file).
+    content_bytes: Annotated[
+        bytes | None,
+        Meta(description="The file's exact bytes (base64 in JSON), instead of content (then '')."),
+    ] = None
+    user: Annotated[
+        str | None, Meta(description="Write as this user name or uid (the pool must be root).")
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.content_bytes is not None and self.content:
+            raise ValueError("give content or content_bytes, not both")
 
 
 class EditArgs(ToolArgs):

@@ -5,7 +5,7 @@
       sample_init ----------------> a sample directory under it (mktemp -d, through the pool)
         exec(cmd, input, ...) ----> pool.call("bash", {argv, stdin, user}): no shell, own worker
         read_file(file, text) ----> pool.call("read", {path, encoding: "bytes", user})
-        write_file(file, data) ---> pool.call("bash", {argv: [python, WRITE_SCRIPT, file]})
+        write_file(file, data) ---> pool.call("write", {path, content_bytes, user})
       sample_cleanup -------------> rm -rf the sample directory (through the pool)
       task_cleanup ---------------> rm -rf the task directory, close the Pool
 
@@ -28,7 +28,6 @@ import asyncio
 import errno
 import os
 import shlex
-import sys
 from typing import Any, Literal, overload
 
 from inspect_ai.util import (
@@ -57,39 +56,6 @@ TRANSPORT_BYTES = MAX_MESSAGE_BYTES - 4 * 1024 * 1024
 #: Seconds allowed to the provider's own housekeeping calls (mkdir, rm -rf, writes).
 HOUSEKEEPING_TIMEOUT_S = 120.0
 
-#: Writes a file atomically from stdin, as the calling user: parents made, the old file's mode
-#: kept, a temp file renamed over it. Errors go to stderr as "ERRNO message" and exit 1.
-WRITE_SCRIPT = """
-import errno, os, stat, sys, tempfile
-path = sys.argv[1]
-try:
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    exists = os.path.exists(path)
-    if exists and not os.access(path, os.W_OK):
-        raise PermissionError(errno.EACCES, "Permission denied", path)
-    umask = os.umask(0o22)
-    os.umask(umask)
-    mode = stat.S_IMODE(os.stat(path).st_mode) if exists else 0o666 & ~umask
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=".sandbx-write-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            while chunk := sys.stdin.buffer.read(1 << 20):
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-except OSError as exc:
-    sys.stderr.write(f"{errno.errorcode.get(exc.errno or 0, 'EIO')} {exc.strerror or exc}")
-    sys.exit(1)
-"""
-
 #: Our tools' error messages and the exceptions Inspect expects for them.
 _FILE_ERRORS: tuple[tuple[str, type[OSError], int], ...] = (
     (" not found", FileNotFoundError, errno.ENOENT),
@@ -97,14 +63,6 @@ _FILE_ERRORS: tuple[tuple[str, type[OSError], int], ...] = (
     ("permission denied", PermissionError, errno.EACCES),
     ("not a directory", NotADirectoryError, errno.ENOTDIR),
 )
-_ERRNO_ERRORS: dict[str, type[OSError]] = {
-    "ENOENT": FileNotFoundError,
-    "EISDIR": IsADirectoryError,
-    "EACCES": PermissionError,
-    "EPERM": PermissionError,
-    "EROFS": PermissionError,
-    "ENOTDIR": NotADirectoryError,
-}
 
 
 class SandbxConfig(BaseModel):
@@ -358,20 +316,17 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         )
 
     async def write_file(self, file: str, contents: str | bytes) -> None:
-        data = contents.encode("utf-8") if isinstance(contents, str) else contents
-        argv = [sys.executable, "-I", "-S", "-c", WRITE_SCRIPT, self._path(file)]
-        result = await _exec(
-            self.task.pool,
-            argv,
-            cwd=self.directory,
-            input=data,
-            user=self.task.settings.user,
-            timeout=HOUSEKEEPING_TIMEOUT_S,
+        data = contents.encode("utf-8") if isinstance(contents, str) else bytes(contents)
+        args: dict[str, Any] = {"path": self._path(file), "content": "", "content_bytes": data}
+        if self.task.settings.user is not None:
+            args["user"] = self.task.settings.user
+        outcome = await self.task.pool.call(
+            "write", args, timeout=HOUSEKEEPING_TIMEOUT_S, cwd=self.directory
         )
-        if not result.success:
-            code, _, message = result.stderr.partition(" ")
-            kind = _ERRNO_ERRORS.get(code, OSError)
-            raise kind(getattr(errno, code, errno.EIO), message or result.stderr, file)
+        if outcome.status is Status.TIMEOUT:
+            raise TimeoutError(f"writing {file} timed out")
+        if outcome.status is not Status.OK:
+            raise _file_error(outcome, file)
 
     @overload
     async def read_file(self, file: str, text: Literal[True] = True) -> str: ...

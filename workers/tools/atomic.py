@@ -74,6 +74,10 @@ def replace_in(dir_fd: int, name: str, data: bytes, display: str) -> bool:
         raise ToolError(f"{display} is a directory")
     if old is not None and not stat.S_ISREG(old.st_mode):
         raise ToolError(f"{display} is not a regular file")
+    if old is not None and not os.access(name, os.W_OK, dir_fd=dir_fd):
+        # Replacing needs only the directory's permission; refuse as open() for writing
+        # would, so that a file its writer may not write stays as it is.
+        raise ToolError(f"{display}: permission denied")
 
     stem = os.fsdecode(os.fsencode(name)[:_MAX_TEMP_STEM])
     temp = f".{stem}{TEMP_MARKER}{os.urandom(4).hex()}"

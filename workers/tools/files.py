@@ -246,8 +246,12 @@ def write_file(args: WriteArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """Create or atomically replace a file, creating missing parent directories."""
     if args.path.endswith("/"):
         raise ToolError(f"{args.path} names a directory, not a file")
+    if args.user is not None:
+        users.become(users.lookup(args.user))  # before the path is even resolved: as them
     real = resolve(ctx, args.path)
-    data = _encode(args.content, args.path)
+    data = (
+        args.content_bytes if args.content_bytes is not None else _encode(args.content, args.path)
+    )
     parent, name = os.path.split(real)
     try:
         # resolve() confined the real path, and components that do not exist yet cannot be
