@@ -80,7 +80,7 @@ async def execute(
         )
     if call.killer is not None:
         if await stop_worker(call, worker, settings):
-            common.update(quarantined=True, wchan=worker.wchan)
+            common.update(quarantined=True, wchan=worker.wchan, stuck_pid=worker.stuck_pid)
         return call.outcome(
             STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason, **common
         )

@@ -92,6 +92,7 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
     quarantined: bool = False
     value_summary: dict[str, Any] | None = None
     wchan: str | None = None
+    stuck_pid: int | None = None
 
     @classmethod
     def from_outcome(cls, outcome: Outcome, *, time: float, limit: int) -> OutcomeRecord:
@@ -111,6 +112,7 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
             quarantined=outcome.quarantined,
             value_summary=summarize_value(outcome.value),
             wchan=outcome.wchan,
+            stuck_pid=outcome.stuck_pid,
         )
 
 

@@ -49,7 +49,8 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``signal`` is the signal that ended a crashed worker. ``quarantined`` is set when the worker
     did not die after SIGKILL (blocked in the kernel, e.g. on a hung mount): the caller is
     released anyway and the worker is reaped whenever it finally exits; ``wchan`` says where it
-    was stuck. ``limit`` names the resource limit that stopped the call, if one did.
+    was stuck, and ``stuck_pid`` which process was (the worker, or a descendant: bash's).
+    ``limit`` names the resource limit that stopped the call, if one did.
     """
 
     call_id: str
@@ -66,6 +67,7 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     limit: str | None = None
     quarantined: bool = False
     wchan: str | None = None
+    stuck_pid: int | None = None
 
     @property
     def ok(self) -> bool:

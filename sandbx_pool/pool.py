@@ -443,8 +443,6 @@ class Pool:
         ]
 
     def stuck_workers(self) -> list[dict[str, Any]]:
-        """Workers that did not die after SIGKILL, with where the kernel holds them."""
-        return [
-            {"pid": w.pid, "wchan": w.wchan, "state": w.proc_state(), "since": w.quarantined_at}
-            for w in self._workers.quarantined()
-        ]
+        """Workers that did not die after SIGKILL: the worker's pid and state, and the process
+        the kernel holds (``stuck_pid``, the worker or a descendant) with where (``wchan``)."""
+        return [worker.stuck_report() for worker in self._workers.quarantined()]

@@ -37,6 +37,8 @@ class Worker:
         self._pidfd: int | None = None
         self._pidfd_watched = False
         self.wchan: str | None = None
+        #: The process the kernel holds: the worker itself, or (bash) a descendant of it.
+        self.stuck_pid: int | None = None
         self.quarantined_at: float | None = None
 
     def __repr__(self) -> str:
@@ -111,26 +113,66 @@ class Worker:
     def quarantine(self) -> None:
         self.state = WorkerState.QUARANTINED
         self.quarantined_at = time.time()
-        self.wchan = self._read_proc("wchan")
+        # A worker that runs bash waits for its command: the process to report is the one in
+        # uninterruptible sleep (state D), which may be a descendant.
+        self.stuck_pid = self.pid
+        if self.pid is not None and not (proc_state(self.pid) or "").startswith("D"):
+            self.stuck_pid = next(
+                (p for p in descendants(self.pid) if (proc_state(p) or "").startswith("D")),
+                self.pid,
+            )
+        self.wchan = read_proc(self.stuck_pid, "wchan") if self.stuck_pid is not None else None
 
     def proc_state(self) -> str | None:
-        status = self._read_proc("status")
-        if status is None:
-            return None
-        for line in status.splitlines():
-            if line.startswith("State:"):
-                return line.split(":", 1)[1].strip()
+        return proc_state(self.pid) if self.pid is not None else None
+
+    def stuck_report(self) -> dict[str, Any]:
+        """For ``Pool.stuck_workers``: where the kernel holds this quarantined worker."""
+        return {
+            "pid": self.pid,
+            "state": self.proc_state(),
+            "stuck_pid": self.stuck_pid,
+            "wchan": self.wchan,
+            "since": self.quarantined_at,
+        }
+
+
+def read_proc(pid: int, name: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/{name}") as f:
+            return f.read().strip() or None
+    except OSError:
         return None
 
-    def _read_proc(self, name: str) -> str | None:
-        if self.pid is None:
-            return None
+
+def proc_state(pid: int) -> str | None:
+    """The State: line of /proc/PID/status ("D (disk sleep)"), None once it is gone."""
+    for line in (read_proc(pid, "status") or "").splitlines():
+        if line.startswith("State:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    """The process's descendants, breadth first, from /proc/PID/task/TID/children."""
+    found: list[int] = []
+    queue = [pid]
+    while queue and len(found) < 1024:  # bounded: a fork bomb is not ours to walk
+        current = queue.pop(0)
         try:
-            with open(f"/proc/{self.pid}/{name}") as f:
-                return f.read().strip() or None
+            tasks = os.listdir(f"/proc/{current}/task")
         except OSError:
-            return None
+            continue
+        for task in tasks:
+            children = read_proc(current, f"task/{task}/children") or ""
+            for child in children.split():
+                found.append(int(child))
+                queue.append(int(child))
+    return found
 
 
 def describe_stuck(worker: Worker) -> str:
-    return f"pid {worker.pid}, state {worker.proc_state()}, wchan {worker.wchan}"
+    described = f"pid {worker.pid}, state {worker.proc_state()}, wchan {worker.wchan}"
+    if worker.stuck_pid not in (None, worker.pid):
+        described += f" (of its descendant {worker.stuck_pid})"
+    return described

@@ -95,7 +95,7 @@ async def test_a_cancelled_call_on_a_hung_mount_is_released_then_reaped(
     assert outcome.quarantined
     assert outcome.wchan  # e.g. "request_wait_answer": where FUSE holds the reader
     (stuck,) = pool.stuck_workers()
-    assert stuck["pid"] == outcome.worker_pid
+    assert stuck["pid"] == stuck["stuck_pid"] == outcome.worker_pid == outcome.stuck_pid
     assert stuck["state"].startswith("D")
     assert stuck["wchan"] == outcome.wchan
     if release == "answer":
@@ -143,6 +143,14 @@ async def test_a_bash_command_on_a_hung_mount_is_released_then_reaped(
     assert pool._template is not None
     if pool._template.containment == "pidns":
         assert outcome.quarantined
+        # Reported is the process the kernel holds, cat, not the worker waiting for it.
+        assert outcome.stuck_pid not in (None, outcome.worker_pid)
+        assert outcome.wchan  # e.g. "request_wait_answer", not the worker's "do_wait"
+        assert outcome.wchan != "do_wait"
+        (stuck,) = pool.stuck_workers()
+        assert (stuck["pid"], stuck["stuck_pid"]) == (outcome.worker_pid, outcome.stuck_pid)
+        comm = await asyncio.to_thread(Path(f"/proc/{outcome.stuck_pid}/comm").read_text)
+        assert comm.strip() == "cat"
     hung_fs.release()
     await wait_until(lambda: pool.stuck_workers() == [], within_s=10)
 
