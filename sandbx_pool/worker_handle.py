@@ -10,6 +10,8 @@ import signal
 import time
 from typing import Any
 
+from workers.containment import children
+
 
 class WorkerState(enum.IntEnum):
     STARTING = 0  # forked, not yet both Spawned (pid known) and Ready (connected)
@@ -113,15 +115,13 @@ class Worker:
     def quarantine(self) -> None:
         self.state = WorkerState.QUARANTINED
         self.quarantined_at = time.time()
+        if self.pid is None:
+            return
         # A worker that runs bash waits for its command: the process to report is the one in
         # uninterruptible sleep (state D), which may be a descendant.
-        self.stuck_pid = self.pid
-        if self.pid is not None and not (proc_state(self.pid) or "").startswith("D"):
-            self.stuck_pid = next(
-                (p for p in descendants(self.pid) if (proc_state(p) or "").startswith("D")),
-                self.pid,
-            )
-        self.wchan = read_proc(self.stuck_pid, "wchan") if self.stuck_pid is not None else None
+        tree = [self.pid, *descendants(self.pid)]
+        self.stuck_pid = next((p for p in tree if (proc_state(p) or "").startswith("D")), self.pid)
+        self.wchan = read_proc(self.stuck_pid, "wchan")
 
     def proc_state(self) -> str | None:
         return proc_state(self.pid) if self.pid is not None else None
@@ -154,20 +154,13 @@ def proc_state(pid: int) -> str | None:
 
 
 def descendants(pid: int) -> list[int]:
-    """The process's descendants, breadth first, from /proc/PID/task/TID/children."""
+    """The process's descendants, breadth first."""
     found: list[int] = []
     queue = [pid]
     while queue and len(found) < 1024:  # bounded: a fork bomb is not ours to walk
-        current = queue.pop(0)
-        try:
-            tasks = os.listdir(f"/proc/{current}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            children = read_proc(current, f"task/{task}/children") or ""
-            for child in children.split():
-                found.append(int(child))
-                queue.append(int(child))
+        below = children(queue.pop(0))
+        found += below
+        queue += below
     return found
 
 

@@ -139,6 +139,19 @@ def test_an_open_file_outside_is_refused(workspace: Path, outside: Path) -> None
         os.close(fd)
 
 
+def run_confined(script: str, workspace: Path, outside: Path) -> Any:
+    """Run ``script`` (it confines itself: irreversible, hence its own interpreter) with the
+    workspace and the outside directory as arguments; what it prints, as JSON."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(workspace), str(outside)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 _CHECK_OPENED_CONFINED = """
 import json, os, sys
 from workers import landlock, sandbox
@@ -172,14 +185,8 @@ print(json.dumps({"outside": verdict, "proc": proc}))
 def test_check_opened_needs_no_proc_rule(workspace: Path, outside: Path) -> None:
     # A file tool's worker is granted no /proc: its check of what it opened must still work
     # (readlink of /proc/self/fd is not a read Landlock mediates), and /proc stays closed.
-    done = subprocess.run(
-        [sys.executable, "-c", _CHECK_OPENED_CONFINED, str(workspace), str(outside)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"outside": "denied", "proc": "refused"}
+    verdicts = run_confined(_CHECK_OPENED_CONFINED, workspace, outside)
+    assert verdicts == {"outside": "denied", "proc": "refused"}
 
 
 _FILE_RULES_ENTERED = """
@@ -215,14 +222,7 @@ print(json.dumps({
 def test_prebuilt_file_rules_confine_like_a_workers_own(workspace: Path, outside: Path) -> None:
     # The ruleset the template has a helper build once, entered as a file tool's worker
     # enters it: the workspace read-write, Python readable, anything else refused.
-    done = subprocess.run(
-        [sys.executable, "-c", _FILE_RULES_ENTERED, str(workspace), str(outside)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {
+    assert run_confined(_FILE_RULES_ENTERED, workspace, outside) == {
         "fits": [True, False],
         "inside": "yes",
         "write_inside": "yes",

@@ -346,75 +346,74 @@ async def test_commands_run_without_privileges_or_secrets(pool: Pool) -> None:
     assert fds == ["0", "1", "2", "3"]  # stdin, the two pipes, and ls's own directory
 
 
-@needs_root
-async def test_run_as_drops_to_that_user(tmp_path: Path) -> None:
-    workspace = Path(tempfile.mkdtemp(prefix="sbx-run-as-"))
+@pytest.fixture
+def shared_workspace() -> Iterator[Path]:
+    """A workspace any user may enter and write to: not under pytest's tmp_path, whose
+    parents only root may traverse."""
+    workspace = Path(tempfile.mkdtemp(prefix="sbx-shared-"))
+    os.chmod(workspace, 0o777)
     try:
-        os.chmod(workspace, 0o777)
-        config = marked_config(sandbox={"run_as": "nobody"})
-        async with Pool(workspace, journal=tmp_path / "j.jsonl", config=config) as pool:
-            value = await bash(pool, "id -u; touch mine; touch $TMPDIR/t && echo tmp ok")
-        assert value["stdout"].split() == ["65534", "tmp", "ok"], value
-        assert (workspace / "mine").stat().st_uid == 65534
+        yield workspace
     finally:
         shutil.rmtree(workspace)
 
 
 @needs_root
-async def test_read_as_a_user_honours_file_modes(tmp_path: Path) -> None:
+async def test_run_as_drops_to_that_user(shared_workspace: Path, tmp_path: Path) -> None:
+    config = marked_config(sandbox={"run_as": "nobody"})
+    async with Pool(shared_workspace, journal=tmp_path / "j.jsonl", config=config) as pool:
+        value = await bash(pool, "id -u; touch mine; touch $TMPDIR/t && echo tmp ok")
+    assert value["stdout"].split() == ["65534", "tmp", "ok"], value
+    assert (shared_workspace / "mine").stat().st_uid == 65534
+
+
+@needs_root
+async def test_read_as_a_user_honours_file_modes(shared_workspace: Path, tmp_path: Path) -> None:
     # A root pool reads anything; read with `user` drops its worker to that user first, so a
     # file only root may read is refused and one anybody may read is not.
-    workspace = Path(tempfile.mkdtemp(prefix="sbx-read-as-"))
-    try:
-        os.chmod(workspace, 0o755)
-        (workspace / "secret.txt").write_text("root only\n")
-        os.chmod(workspace / "secret.txt", 0o600)
-        (workspace / "open.txt").write_text("anybody\n")
-        async with Pool(workspace, journal=tmp_path / "j.jsonl", config=marked_config()) as pool:
-            as_pool = await pool.call("read", {"path": "secret.txt"})
-            refused = await pool.call("read", {"path": "secret.txt", "user": "nobody"})
-            allowed = await pool.call("read", {"path": "open.txt", "user": "nobody"})
-            unknown = await pool.call("read", {"path": "open.txt", "user": "no-such-user-here"})
-        assert as_pool.status is Status.OK, as_pool
-        assert refused.status is Status.ERROR, refused
-        assert "permission denied" in (refused.error or ""), refused
-        assert allowed.status is Status.OK, allowed
-        assert unknown.status is Status.ERROR
-        assert unknown.error == "unknown user 'no-such-user-here'", unknown
-    finally:
-        shutil.rmtree(workspace)
+    (shared_workspace / "secret.txt").write_text("root only\n")
+    os.chmod(shared_workspace / "secret.txt", 0o600)
+    (shared_workspace / "open.txt").write_text("anybody\n")
+    config = marked_config()
+    async with Pool(shared_workspace, journal=tmp_path / "j.jsonl", config=config) as pool:
+        as_pool = await pool.call("read", {"path": "secret.txt"})
+        refused = await pool.call("read", {"path": "secret.txt", "user": "nobody"})
+        allowed = await pool.call("read", {"path": "open.txt", "user": "nobody"})
+        unknown = await pool.call("read", {"path": "open.txt", "user": "no-such-user-here"})
+    assert as_pool.status is Status.OK, as_pool
+    assert refused.status is Status.ERROR, refused
+    assert "permission denied" in (refused.error or ""), refused
+    assert allowed.status is Status.OK, allowed
+    assert unknown.status is Status.ERROR
+    assert unknown.error == "unknown user 'no-such-user-here'", unknown
 
 
 @needs_root
-async def test_write_as_a_user_honours_file_modes(tmp_path: Path) -> None:
+async def test_write_as_a_user_honours_file_modes(shared_workspace: Path, tmp_path: Path) -> None:
     # Replacing a file needs only the directory's permission; write refuses a file its writer
     # may not write all the same, as open() would. content_bytes writes exact bytes.
-    workspace = Path(tempfile.mkdtemp(prefix="sbx-write-as-"))
-    try:
-        os.chmod(workspace, 0o777)
-        (workspace / "theirs.txt").write_text("root's\n")
-        os.chmod(workspace / "theirs.txt", 0o644)
-        async with Pool(workspace, journal=tmp_path / "j.jsonl", config=marked_config()) as pool:
-            refused = await pool.call(
-                "write", {"path": "theirs.txt", "content": "nobody's", "user": "nobody"}
-            )
-            made = await pool.call(
-                "write",
-                {"path": "new.bin", "content": "", "content_bytes": b"\x00\xff", "user": "nobody"},
-            )
-            both = await pool.call("write", {"path": "x", "content": "a", "content_bytes": b"b"})
-            as_root = await pool.call("write", {"path": "theirs.txt", "content": "root again"})
-        assert refused.status is Status.ERROR, refused
-        assert refused.error == "theirs.txt: permission denied", refused
-        assert made.status is Status.OK, made
-        assert (workspace / "new.bin").read_bytes() == b"\x00\xff"
-        assert (workspace / "new.bin").stat().st_uid == 65534
-        assert both.status is Status.ERROR
-        assert "content or content_bytes" in (both.error or "")
-        assert as_root.status is Status.OK, as_root
-        assert (workspace / "theirs.txt").read_text() == "root again"
-    finally:
-        shutil.rmtree(workspace)
+    (shared_workspace / "theirs.txt").write_text("root's\n")
+    os.chmod(shared_workspace / "theirs.txt", 0o644)
+    config = marked_config()
+    async with Pool(shared_workspace, journal=tmp_path / "j.jsonl", config=config) as pool:
+        refused = await pool.call(
+            "write", {"path": "theirs.txt", "content": "nobody's", "user": "nobody"}
+        )
+        made = await pool.call(
+            "write",
+            {"path": "new.bin", "content": "", "content_bytes": b"\x00\xff", "user": "nobody"},
+        )
+        both = await pool.call("write", {"path": "x", "content": "a", "content_bytes": b"b"})
+        as_root = await pool.call("write", {"path": "theirs.txt", "content": "root again"})
+    assert refused.status is Status.ERROR, refused
+    assert refused.error == "theirs.txt: permission denied", refused
+    assert made.status is Status.OK, made
+    assert (shared_workspace / "new.bin").read_bytes() == b"\x00\xff"
+    assert (shared_workspace / "new.bin").stat().st_uid == 65534
+    assert both.status is Status.ERROR
+    assert "content or content_bytes" in (both.error or "")
+    assert as_root.status is Status.OK, as_root
+    assert (shared_workspace / "theirs.txt").read_text() == "root again"
 
 
 def test_an_unknown_run_as_user_is_a_config_error(tmp_path: Path) -> None:

@@ -35,36 +35,37 @@ def router(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
     context.term()
 
 
-def test_a_libzmq_router_routes_by_the_identity_announced(
-    router: zmq.Socket[bytes], endpoint: str
-) -> None:
-    dealer = zmtp.Dealer(endpoint, b"worker-7", max_message_bytes=MAX, timeout_s=5)
+@pytest.fixture
+def dealer(router: zmq.Socket[bytes], endpoint: str) -> Iterator[zmtp.Dealer]:
+    """A DEALER whose handshake with the router is done (identity ``worker-7``)."""
+    connection = zmtp.Dealer(endpoint, b"worker-7", max_message_bytes=MAX, timeout_s=5)
     try:
-        dealer.handshake(timeout_s=5)
-        dealer.send(b"ready", timeout_s=5)
-        assert router.recv_multipart() == [b"worker-7", b"ready"]
-        # Short (< 256 bytes) and long frames, both ways.
-        for size in (0, 255, 256, 300_000):
-            router.send_multipart([b"worker-7", b"c" * size])
-            assert dealer.recv(timeout_s=5) == b"c" * size
-            dealer.send(b"r" * size, timeout_s=5)
-            assert router.recv_multipart() == [b"worker-7", b"r" * size]
+        connection.handshake(timeout_s=5)
+        yield connection
     finally:
-        dealer.close()
+        connection.close()
+
+
+def test_a_libzmq_router_routes_by_the_identity_announced(
+    router: zmq.Socket[bytes], dealer: zmtp.Dealer
+) -> None:
+    dealer.send(b"ready", timeout_s=5)
+    assert router.recv_multipart() == [b"worker-7", b"ready"]
+    # Short (< 256 bytes) and long frames, both ways.
+    for size in (0, 255, 256, 300_000):
+        router.send_multipart([b"worker-7", b"c" * size])
+        assert dealer.recv(timeout_s=5) == b"c" * size
+        dealer.send(b"r" * size, timeout_s=5)
+        assert router.recv_multipart() == [b"worker-7", b"r" * size]
 
 
 def test_libzmq_reads_the_peer_credentials_of_our_connection(
-    router: zmq.Socket[bytes], endpoint: str
+    router: zmq.Socket[bytes], dealer: zmtp.Dealer
 ) -> None:
     # The coordinator checks a Ready's pid against the one the template forked.
-    dealer = zmtp.Dealer(endpoint, b"w", max_message_bytes=MAX, timeout_s=5)
-    try:
-        dealer.handshake(timeout_s=5)
-        dealer.send(b"ready", timeout_s=5)
-        frames = router.recv_multipart(copy=False)
-        assert str(frames[-1].get("Peer-Address")).rsplit(":", 1)[1] == str(os.getpid())
-    finally:
-        dealer.close()
+    dealer.send(b"ready", timeout_s=5)
+    frames = router.recv_multipart(copy=False)
+    assert str(frames[-1].get("Peer-Address")).rsplit(":", 1)[1] == str(os.getpid())
 
 
 def test_a_libzmq_socket_a_dealer_cannot_talk_to_ends_the_handshake(endpoint: str) -> None:

@@ -76,14 +76,16 @@ def in_own_pid_namespace() -> bool:
     return os.getpid() == 1
 
 
-def children() -> list[int]:
-    """Pids of this process's children (every thread's), from /proc."""
+def children(pid: int | None = None) -> list[int]:
+    """Pids of the children (every thread's) of process ``pid`` (None: this one), from /proc."""
+    proc = f"/proc/{'self' if pid is None else pid}"
     pids: list[int] = []
-    with contextlib.suppress(FileNotFoundError):
-        for tid in os.listdir("/proc/self/task"):
+    # Either may vanish as we read: a process or a thread that has exited has no children.
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for tid in os.listdir(f"{proc}/task"):
             with (
-                contextlib.suppress(FileNotFoundError),
-                open(f"/proc/self/task/{tid}/children") as f,
+                contextlib.suppress(FileNotFoundError, ProcessLookupError),
+                open(f"{proc}/task/{tid}/children") as f,
             ):
                 pids.extend(int(p) for p in f.read().split())
     return pids

@@ -130,11 +130,13 @@ class PathBeneath:
     """A path opened for a rule (O_PATH: it grants nothing by itself), and the rights to grant
     beneath it, those a regular file cannot have already masked off."""
 
-    __slots__ = ("fd", "rights")
+    __slots__ = ("fd", "identity", "rights")
 
-    def __init__(self, fd: int, rights: int) -> None:
+    def __init__(self, fd: int, rights: int, identity: tuple[int, int]) -> None:
         self.fd = fd
         self.rights = rights
+        #: What the path was when opened: (device, inode). A rule holds that, not the name.
+        self.identity = identity
 
     @classmethod
     def open(cls, path: str, rights: int) -> PathBeneath | None:
@@ -143,9 +145,10 @@ class PathBeneath:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError, PermissionError):
             return None
-        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+        found = os.fstat(fd)
+        if not stat.S_ISDIR(found.st_mode):
             rights &= FILE_RIGHTS
-        return cls(fd, rights)
+        return cls(fd, rights, (found.st_dev, found.st_ino))
 
     def close(self) -> None:
         os.close(self.fd)
@@ -179,16 +182,17 @@ class Ruleset:
         ruleset.fd = fd
         return ruleset
 
-    def allow_path(self, path: str, rights: int) -> bool:
-        """Grant ``rights`` beneath ``path``; False (nothing granted) if we cannot open it."""
+    def allow_path(self, path: str, rights: int) -> tuple[int, int] | None:
+        """Grant ``rights`` beneath ``path``; returns what it granted them on, (device, inode),
+        or None (nothing granted) if we cannot open it."""
         beneath = PathBeneath.open(path, rights)
         if beneath is None:
-            return False
+            return None
         try:
             self.allow(beneath)
         finally:
             beneath.close()
-        return True
+        return beneath.identity
 
     def allow(self, beneath: PathBeneath) -> None:
         """Grant a rule whose path is open already (what this ruleset handles of it)."""

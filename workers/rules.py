@@ -128,19 +128,7 @@ def add_file_rules(ruleset: landlock.Ruleset, workspace: str, box: Sandbox) -> d
     roots = preload().read_only_roots
     granted = [(path, READ) for path in dict.fromkeys(box.read_only) if not within(path, roots)]
     granted += [(path, WRITE) for path in (workspace, *box.writable)]
-    identities: dict[str, Identity] = {}
-    for path, rights in granted:
-        beneath = landlock.PathBeneath.open(path, rights)
-        if beneath is None:
-            identities[path] = None
-            continue
-        try:
-            found = os.fstat(beneath.fd)
-            identities[path] = (found.st_dev, found.st_ino)
-            ruleset.allow(beneath)
-        finally:
-            beneath.close()
-    return identities
+    return {path: ruleset.allow_path(path, rights) for path, rights in granted}
 
 
 def identity(path: str) -> Identity:

@@ -36,8 +36,8 @@ from workers.protocol import (
     encoder,
 )
 from workers.rules import FileRules
-from workers.schemas import UnknownTool, parse_args
-from workers.tools import RUNS_PROGRAMS, WORKER_ACTIONS
+from workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
+from workers.tools import WORKER_ACTIONS
 
 #: Exit status of an idle worker that will never get a call: its template died, or its
 #: coordinator hung up or stopped answering.
@@ -247,7 +247,7 @@ def serve(
         containment.kill_descendants()
     if terminated:
         # The coordinator is stopping this call and will not read a Result: what it waits
-        # for is our exit, so skip the answer and the socket teardown.
+        # for is our exit, so skip the answer.
         if confinement is not None:
             confinement.release()
         os._exit(EXIT_TERMINATED)

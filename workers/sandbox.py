@@ -81,7 +81,6 @@ _KEPT_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 29, 31})
 _CAP_NET_RAW = 13
 
 
-#: Read-only for every call: programs, libraries, configuration.
 class SandboxError(ToolError):
     """The call cannot be confined as configured: it is refused (status ``error``)."""
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 from workers.protocol import ExecutionContext
-from workers.schemas import RUNS_PROGRAMS
 from workers.tools.bash import run_bash
 from workers.tools.files import edit_file, list_directory, read_file, write_file
 from workers.tools.recovery import remove_temps
@@ -32,4 +31,4 @@ TOOLS: dict[str, ToolFunction] = {
 #: Every action a worker can run: the tools plus the coordinator's internal ones.
 WORKER_ACTIONS: dict[str, ToolFunction] = {**TOOLS, "_remove_temps": remove_temps}
 
-__all__ = ["RUNS_PROGRAMS", "TOOLS", "WORKER_ACTIONS", "ToolFunction"]
+__all__ = ["TOOLS", "WORKER_ACTIONS", "ToolFunction"]
