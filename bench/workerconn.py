@@ -27,7 +27,7 @@ def _worker(endpoint: str, workspace: str, mode: str, token: str) -> None:
     os.setsid()
     ready = encoder.encode(Ready(token=token))
     if mode == "zmtp":
-        connection = zmtp.Dealer(
+        connection = zmtp.connect(
             endpoint, token.encode(), max_message_bytes=MAX_MESSAGE_BYTES, timeout_s=10
         )
         connection.handshake(timeout_s=10)

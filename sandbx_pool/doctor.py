@@ -129,7 +129,7 @@ def _peer_pid() -> bool:
     import zmq
 
     from sandbx_pool.inbox import peer_pid
-    from workers.zmtp import Dealer
+    from workers.zmtp import connect
 
     directory = tempfile.mkdtemp(prefix="sandbx-doctor-")
     context = zmq.Context()
@@ -137,7 +137,7 @@ def _peer_pid() -> bool:
     try:
         router = context.socket(zmq.ROUTER)
         router.bind(f"ipc://{directory}/s")
-        dealer = Dealer(f"ipc://{directory}/s", b"doctor", max_message_bytes=1024, timeout_s=5)
+        dealer = connect(f"ipc://{directory}/s", b"doctor", max_message_bytes=1024, timeout_s=5)
         dealer.handshake(timeout_s=5)
         dealer.send(b"x", timeout_s=5)
         if not router.poll(5000):

@@ -38,7 +38,7 @@ def router(endpoint: str) -> Iterator[zmq.Socket[bytes]]:
 @pytest.fixture
 def dealer(router: zmq.Socket[bytes], endpoint: str) -> Iterator[zmtp.Dealer]:
     """A DEALER whose handshake with the router is done (identity ``worker-7``)."""
-    connection = zmtp.Dealer(endpoint, b"worker-7", max_message_bytes=MAX, timeout_s=5)
+    connection = zmtp.connect(endpoint, b"worker-7", max_message_bytes=MAX, timeout_s=5)
     try:
         connection.handshake(timeout_s=5)
         yield connection
@@ -74,7 +74,7 @@ def test_a_libzmq_socket_a_dealer_cannot_talk_to_ends_the_handshake(endpoint: st
     publisher = context.socket(zmq.PUB)
     publisher.bind(endpoint)
     try:
-        dealer = zmtp.Dealer(endpoint, b"w", max_message_bytes=MAX, timeout_s=5)
+        dealer = zmtp.connect(endpoint, b"w", max_message_bytes=MAX, timeout_s=5)
         try:
             with pytest.raises(ConnectionError):
                 dealer.handshake(timeout_s=5)
@@ -125,7 +125,7 @@ def router_ready(socket_type: bytes = b"ROUTER") -> bytes:
 def talk_to(tmp_path: Path, reply: bytes, *, max_message_bytes: int = MAX) -> bytes:
     path = tmp_path / "fake.sock"
     peer = FakePeer(path, reply)
-    dealer = zmtp.Dealer(f"ipc://{path}", b"w", max_message_bytes=max_message_bytes, timeout_s=5)
+    dealer = zmtp.connect(f"ipc://{path}", b"w", max_message_bytes=max_message_bytes, timeout_s=5)
     try:
         dealer.handshake(timeout_s=5)
         return dealer.recv(timeout_s=5)
@@ -167,7 +167,7 @@ def test_a_command_alone_leaves_the_caller_polling(tmp_path: Path) -> None:
     path = tmp_path / "fake.sock"
     ping = b"\x04\x07\x04PING\x00\x00"
     peer = FakePeer(path, zmtp.GREETING + router_ready() + ping, later=b"\x00\x04call")
-    dealer = zmtp.Dealer(f"ipc://{path}", b"w", max_message_bytes=MAX, timeout_s=5)
+    dealer = zmtp.connect(f"ipc://{path}", b"w", max_message_bytes=MAX, timeout_s=5)
     try:
         dealer.handshake(timeout_s=5)
         assert select.select([dealer], [], [], 5)[0]  # the PING
@@ -183,7 +183,7 @@ def test_a_command_alone_leaves_the_caller_polling(tmp_path: Path) -> None:
 def test_a_peer_that_stalls_mid_frame_times_out(tmp_path: Path) -> None:
     path = tmp_path / "fake.sock"
     peer = FakePeer(path, zmtp.GREETING + router_ready() + b"\x00\x05hel", later=b"lo")
-    dealer = zmtp.Dealer(f"ipc://{path}", b"w", max_message_bytes=MAX, timeout_s=5)
+    dealer = zmtp.connect(f"ipc://{path}", b"w", max_message_bytes=MAX, timeout_s=5)
     try:
         dealer.handshake(timeout_s=5)
         with pytest.raises(TimeoutError, match="middle of a frame"):
@@ -200,10 +200,19 @@ def test_a_peer_that_stops_accepting_times_the_connection_out(tmp_path: Path) ->
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     server.listen(0)
-    first = zmtp.Dealer(f"ipc://{path}", b"a", max_message_bytes=MAX, timeout_s=5)
+    first = zmtp.connect(f"ipc://{path}", b"a", max_message_bytes=MAX, timeout_s=5)
     try:
         with pytest.raises(TimeoutError, match="no connection"):
-            zmtp.Dealer(f"ipc://{path}", b"b", max_message_bytes=MAX, timeout_s=0.2)
+            zmtp.connect(f"ipc://{path}", b"b", max_message_bytes=MAX, timeout_s=0.2)
     finally:
         first.close()
         server.close()
+
+
+def test_the_template_s_rehearsal_speaks_the_whole_exchange_and_leaves_nothing_open() -> None:
+    # The rehearsal raises if its canned ROUTER side and the DEALER disagree (a handshake or
+    # a frame the DEALER refuses), so a change to either one shows here before every
+    # template start fails.
+    before = set(os.listdir("/proc/self/fd"))
+    zmtp.rehearse()
+    assert set(os.listdir("/proc/self/fd")) == before

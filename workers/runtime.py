@@ -12,6 +12,7 @@ kill it decides is an output overflow, which it records in the Result before kil
 
 from __future__ import annotations
 
+import _signal
 import errno
 import gc
 import os
@@ -172,12 +173,15 @@ def run_call(call: Call) -> Result:
     return result
 
 
-def warm_up() -> None:
-    """Rehearse a call while idle, so that its copy-on-write page faults happen before one.
+def rehearse_call() -> None:
+    """Walk most of a real call's path (decoding, validation, path resolution, the read tool,
+    encoding the Result) with a read of our own /proc status.
 
-    A forked worker shares the template's pages; the first write to each (reference counts
-    included) copies it. A read of our own /proc status walks most of a real call's path:
-    decoding, validation, path resolution, the read tool, encoding the Result.
+    Twice useful. The template rehearses many times before its first fork, so that CPython
+    has specialized this code (rewriting its bytecode in place) once, for every worker.
+    Each worker rehearses once while idle: a forked worker shares the template's pages and
+    the first write to each (reference counts included) copies it, so its copy-on-write faults
+    are paid before a call rather than during one.
     """
     context = ExecutionContext(call_id="warm-up", workspace="/proc/self", cwd="/proc/self", env={})
     call = call_decoder.decode(
@@ -213,16 +217,17 @@ def serve(
     """
     # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it
     # and let the command end. Python handlers reset on exec, so bash sees the default.
+    # _signal, not signal: see workers.template.Template.become_worker.
     terminated: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
+    _signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     # One short call: the collector would only copy-on-write the template's pages.
     gc.disable()
     # Both before connecting: the rehearsal's and the ruleset's copy-on-write faults are paid
     # while idle, and a connection is only made once the worker can take a call at once.
-    warm_up()
+    rehearse_call()
     prepared = sandbox.prepare(file_rules)
     try:
-        connection = zmtp.Dealer(
+        connection = zmtp.connect(
             endpoint, token.encode(), max_message_bytes=MAX_MESSAGE_BYTES, timeout_s=PEER_TIMEOUT_S
         )
         connection.handshake(timeout_s=PEER_TIMEOUT_S)

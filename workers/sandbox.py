@@ -121,7 +121,7 @@ def prepare(file_rules: FileRules | None = None) -> Prepared:
     /proc), builds its own from the fixed rules when it comes.
     """
     preloaded = preload()
-    _rehearse()
+    rehearse()
     if landlock.abi_version() == 0:
         return Prepared(None, preloaded.last_cap)
     if file_rules is not None:
@@ -133,9 +133,10 @@ def prepare(file_rules: FileRules | None = None) -> Prepared:
     return Prepared(ruleset, preloaded.last_cap)
 
 
-def _rehearse() -> None:
+def rehearse() -> None:
     """Walk confine()'s Python paths with no effect, so that their first-use costs (ctypes
-    conversions, copy-on-write faults on the template's pages) are paid while idle."""
+    conversions, copy-on-write faults on the template's pages) are paid while idle; the
+    template rehearses too, before forking (workers.runtime.rehearse_call says why)."""
     ctx = ExecutionContext(call_id="", workspace="/", cwd="/", env={"PATH": os.defpath})
     msgspec.structs.replace(ctx, env={**ctx.env, "TMPDIR": os.urandom(8).hex()})
     within("/", _readable(ctx))

@@ -43,29 +43,16 @@ class ProtocolError(ConnectionError):
 
 
 class Dealer:
-    """One blocking ZMTP connection to a ZeroMQ ROUTER bound on an ipc:// endpoint."""
+    """One blocking ZMTP connection to a ZeroMQ ROUTER (connect() makes one to an ipc://
+    endpoint)."""
 
-    def __init__(
-        self, endpoint: str, identity: bytes, *, max_message_bytes: int, timeout_s: float
-    ) -> None:
-        """Connect, waiting ``timeout_s`` at most (a coordinator that stopped accepting
-        leaves its listen queue full, and a unix socket's connect then waits)."""
-        if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
-            raise ValueError(f"only ipc:// endpoints with a path are supported, not {endpoint!r}")
+    def __init__(self, sock: socket.socket, identity: bytes, *, max_message_bytes: int) -> None:
+        """Speak ZMTP over ``sock``, a connected stream socket (see connect())."""
         if not 0 < len(identity) < 256 or identity[0] == 0:
             raise ValueError("a routing identity is 1-255 bytes and does not start with 0")
         self.identity = identity
         self.max_message_bytes = max_message_bytes
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            self._set_timeout(socket.SO_SNDTIMEO, timeout_s)
-            self._sock.connect(endpoint.removeprefix("ipc://"))
-        except BlockingIOError as exc:
-            self._sock.close()
-            raise TimeoutError(f"no connection to {endpoint} within {timeout_s:g} s") from exc
-        except BaseException:
-            self._sock.close()
-            raise
+        self._sock = sock
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -79,7 +66,9 @@ class Dealer:
         sent its own, it takes every frame for a handshake command, and a message for a
         protocol error (it hangs up).
         """
-        ready = _command(b"READY", _ready_properties(self.identity))
+        ready = _command(
+            b"READY", _metadata({b"Socket-Type": b"DEALER", b"Identity": self.identity})
+        )
         self._sock.sendall(GREETING + ready)
         self._set_timeout(socket.SO_RCVTIMEO, timeout_s)
         try:
@@ -131,9 +120,7 @@ class Dealer:
             raise ProtocolError(f"the peer wants the {mechanism!r} mechanism, not NULL")
 
     def _set_timeout(self, option: int, seconds: float) -> None:
-        whole = int(seconds)
-        value = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
-        self._sock.setsockopt(socket.SOL_SOCKET, option, value)
+        _set_timeout(self._sock, option, seconds)
 
     def _read_frame(self) -> tuple[int, bytes]:
         flags = self._read_exact(1)[0]
@@ -159,6 +146,51 @@ class Dealer:
         return bytes(data)
 
 
+def connect(endpoint: str, identity: bytes, *, max_message_bytes: int, timeout_s: float) -> Dealer:
+    """A Dealer connected to the ROUTER bound at ``endpoint`` (not yet shaken hands), waiting
+    ``timeout_s`` at most: a coordinator that stopped accepting leaves its listen queue full,
+    and a unix socket's connect then waits."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        raise ValueError(f"only ipc:// endpoints with a path are supported, not {endpoint!r}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        dealer = Dealer(sock, identity, max_message_bytes=max_message_bytes)
+        _set_timeout(sock, socket.SO_SNDTIMEO, timeout_s)
+        sock.connect(endpoint.removeprefix("ipc://"))
+    except BlockingIOError as exc:
+        sock.close()
+        raise TimeoutError(f"no connection to {endpoint} within {timeout_s:g} s") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return dealer
+
+
+def rehearse() -> None:
+    """Run a DEALER's whole exchange (handshake, a message each way) against a ROUTER's
+    canned bytes over a socketpair.
+
+    For the template (workers.template.warm_up): CPython rewrites a function's bytecode in
+    place as it specializes it, over its first calls, and in a forked worker each such write
+    copies a page of the template. Rehearsed before any fork, the code every worker runs to
+    reach its coordinator is already specialized, and stays shared.
+    """
+    ours, router = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    with ours, router:
+        router_ready = _command(b"READY", _metadata({b"Socket-Type": b"ROUTER"}))
+        router.sendall(GREETING + router_ready + _frame(b"call", flags=0))
+        dealer = Dealer(ours, b"rehearsal", max_message_bytes=64)
+        dealer.handshake(timeout_s=1.0)
+        dealer.send(b"ready", timeout_s=1.0)
+        dealer.recv(timeout_s=1.0)
+
+
+def _set_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    whole = int(seconds)
+    value = struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, option, value)
+
+
 def _frame(body: bytes, *, flags: int) -> bytes:
     if len(body) < 256:
         return bytes((flags, len(body))) + body
@@ -169,8 +201,8 @@ def _command(name: bytes, data: bytes) -> bytes:
     return _frame(bytes((len(name),)) + name + data, flags=_COMMAND)
 
 
-def _ready_properties(identity: bytes) -> bytes:
-    properties = {b"Socket-Type": b"DEALER", b"Identity": identity}
+def _metadata(properties: dict[bytes, bytes]) -> bytes:
+    """A READY command's metadata: name (1-byte length) and value (4-byte length) pairs."""
     return b"".join(
         bytes((len(name),)) + name + struct.pack(">I", len(value)) + value
         for name, value in properties.items()
@@ -193,4 +225,4 @@ def _properties(data: bytes) -> dict[bytes, bytes]:
     return found
 
 
-__all__ = ["GREETING", "Dealer", "ProtocolError"]
+__all__ = ["GREETING", "Dealer", "ProtocolError", "connect", "rehearse"]
