@@ -19,6 +19,11 @@ class TemplateLost(SandbxPoolError):
     """The template process that forks workers died; the pool cannot start more calls."""
 
 
+class WorkersFailToStart(SandbxPoolError):
+    """Workers keep exiting before they connect; the calls waiting for one end as ``error``
+    outcomes carrying this message (it is never raised to a caller)."""
+
+
 class ConfigError(SandbxPoolError):
     """A configuration file or value is invalid; the message names the file and the key."""
 

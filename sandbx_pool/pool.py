@@ -49,7 +49,7 @@ from sandbx_pool import confine, journal_reader
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelCallback, CancelToken
 from sandbx_pool.config import Config, JournalPolicy, load_config
-from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost
+from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
 from sandbx_pool.execution import execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
@@ -352,7 +352,10 @@ class Pool:
         call.context = self._context(call, call_cwd)
         if self.state is not PoolState.OPEN or self._template_lost:
             call.request_kill(KilledBy.SHUTDOWN, "pool closing")
-        worker = await self._acquire(call)
+        try:
+            worker = await self._acquire(call)
+        except WorkersFailToStart as exc:
+            return call.outcome(Status.ERROR, error=str(exc))
         if worker is None:
             return self._killed_before_start(call)
         try:
@@ -373,7 +376,8 @@ class Pool:
     # -- workers: scheduling (synchronous decisions) -------------------------------------------
 
     async def _acquire(self, call: CallState) -> Worker | None:
-        """Wait for an idle worker and a free slot; None if the call was killed meanwhile."""
+        """Wait for an idle worker and a free slot; None if the call was killed meanwhile.
+        Raises WorkersFailToStart when the workers forked for it kept failing."""
         if call.killer is not None:
             return None
         self._workers.enqueue(call)

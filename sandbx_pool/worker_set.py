@@ -21,8 +21,14 @@ from collections.abc import Callable
 from loguru import logger
 
 from sandbx_pool.call_state import CallState
+from sandbx_pool.errors import WorkersFailToStart
 from sandbx_pool.worker_handle import Worker, WorkerState
 from workers.protocol import Exited, Ready, Spawned
+
+#: Workers in a row that may exit before connecting (a bug, a limit, a host that refuses what a
+#: worker sets up, the coordinator's socket removed from under it) before the calls waiting for
+#: one are failed. Unbounded, the template would fork and the calls wait, forever.
+MAX_FAILED_STARTS = 5
 
 #: Readies that arrived before the template's Spawned for their token, kept until it comes.
 #: Bounded, so that a flood of forged Readies cannot grow the coordinator's memory.
@@ -42,6 +48,8 @@ class WorkerSet:
         self.waiting: deque[CallState] = deque()
         self.busy = 0
         self.starting = 0
+        #: Workers that exited before connecting since one last did connect.
+        self.failed_starts = 0
         self._early_ready: dict[str, int | None] = {}
 
     def __repr__(self) -> str:
@@ -63,6 +71,8 @@ class WorkerSet:
 
     def withdraw(self, call: CallState) -> None:
         """``call`` was killed while waiting; if a worker was assigned meanwhile, keep it."""
+        if call.assigned.done() and call.assigned.exception() is not None:
+            return  # failed for want of a worker: there is none to give back
         if call.assigned.done():
             # The worker never saw the call: it serves the next one.
             worker = call.assigned.result()
@@ -163,6 +173,8 @@ class WorkerSet:
             self.by_token.pop(worker.token, None)
         if worker.state is WorkerState.STARTING:
             self.starting -= 1
+            if self.forking:  # not the pool closing, or its template dying
+                self._failed_to_start(message.returncode)
         elif worker.state is WorkerState.IDLE:
             with contextlib.suppress(ValueError):
                 self.idle.remove(worker)
@@ -171,8 +183,28 @@ class WorkerSet:
         worker.mark_exited(message.returncode)
         self.replenish()
 
+    def _failed_to_start(self, returncode: int) -> None:
+        self.failed_starts += 1
+        if self.failed_starts % MAX_FAILED_STARTS:
+            return
+        if returncode < 0:
+            why = f"killed by signal {-returncode}"
+            with contextlib.suppress(ValueError):
+                why = f"killed by {signal.Signals(-returncode).name}"
+        else:
+            why = f"exit status {returncode}"
+        error = WorkersFailToStart(
+            f"no worker could start: {MAX_FAILED_STARTS} in a row exited before connecting"
+            f" (the last: {why}); the template's stderr says why"
+        )
+        logger.error("{}", error)
+        # Each waiting call fails; a later call tries again, MAX_FAILED_STARTS forks at most.
+        while self.waiting:
+            self.waiting.popleft().assigned.set_exception(error)
+
     def _maybe_idle(self, worker: Worker) -> None:
         if worker.state is WorkerState.STARTING and worker.ready and worker.pid is not None:
+            self.failed_starts = 0
             self.starting -= 1
             worker.state = WorkerState.IDLE
             self.idle.append(worker)

@@ -247,6 +247,31 @@ async def test_a_worker_killed_by_a_signal_is_crashed(pool: Pool, workspace: Pat
     assert "SIGKILL" in outcome.error
 
 
+async def test_workers_that_cannot_start_fail_the_waiting_call_not_fork_forever(
+    workspace: Path, tmp_path: Path
+) -> None:
+    # A real way for every new worker to fail before it connects: the coordinator's socket
+    # is removed from under the pool, as a /tmp cleaner would. A worker connected before
+    # that still serves; a call that needs a new one ends as an error, not a wait forever.
+    journal = tmp_path / "j.jsonl"
+    config = marked_config(pool={"workers": 1, "prefork": 1})
+    async with Pool(workspace, config=config, journal=journal) as pool:
+        assert (await pool.call("read", {"path": "hello.txt"})).status is Status.OK
+        assert pool._runtime_dir is not None
+        os.unlink(os.path.join(pool._runtime_dir, "coordinator.sock"))
+        async with asyncio.timeout(60):  # without the bound, the second call never returns
+            outcomes = [await pool.call("read", {"path": "hello.txt"}) for _ in range(3)]
+    failed = [o for o in outcomes if o.status is not Status.OK]
+    assert len(failed) >= 2  # at most one worker was ready before the socket went
+    for outcome in failed:
+        assert outcome.status is Status.ERROR
+        assert not outcome.started
+        assert outcome.error is not None
+        assert "no worker could start: 5 in a row exited before connecting" in outcome.error
+    recorded = [line for line in journal.read_text().splitlines() if '"outcome"' in line]
+    assert len(recorded) == 4  # every call, the failed ones included, has its outcome
+
+
 async def test_closing_the_pool_cancels_calls_in_flight(workspace: Path, tmp_path: Path) -> None:
     tag = unique_tag()
     pool = Pool(workspace, config=marked_config(), journal=tmp_path / "j.jsonl")
