@@ -33,7 +33,7 @@ import msgspec
 
 import workers.runtime  # preloaded so that each fork starts warm
 import workers.tools
-from workers import bare_fork, containment, rules, sandbox, zmtp
+from workers import bare_fork, containment, immortal, rules, sandbox, zmtp
 from workers.protocol import (
     Exited,
     PrebuildFileRules,
@@ -279,6 +279,7 @@ def warm_up() -> None:
         workers.runtime.rehearse_call()
         sandbox.rehearse()
         zmtp.rehearse()
+    immortal.immortalize()
     gc.collect()
     gc.freeze()
     # And no automatic collections from here on: each would walk the young objects, writing
