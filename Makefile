@@ -1,5 +1,10 @@
 # Every target bootstraps .venv from pyproject.toml on first use, so a fresh clone needs nothing else.
-PYTHON ?= python3
+# CPython 3.12 or 3.13 when this machine has one (on PATH, or installed through pyenv): there a
+# worker copies fewer of the template's pages (workers/immortal.py). Any 3.11+ works otherwise.
+PYTHON ?= $(shell for v in 3.12 3.13; do \
+	  if python$$v -c '' 2>/dev/null; then echo python$$v; exit; fi; \
+	  p=$$(pyenv prefix $$v 2>/dev/null) && [ -x "$$p/bin/python$$v" ] && { echo "$$p/bin/python$$v"; exit; }; \
+	done; echo python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -7,7 +12,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test bench lint clean
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
