@@ -6,8 +6,8 @@ loop around them), which is how they are normally used.
 
 Start methods, stated because they decide the figures:
 
-* pebble gets the ``fork`` context explicitly (the Linux default in Python 3.11 anyway).
-* ``ProcessPoolExecutor(max_tasks_per_child=1)`` refuses ``fork`` in 3.11 (ValueError: "max_
+* pebble gets the ``fork`` context explicitly (Linux's default before Python 3.14 anyway).
+* ``ProcessPoolExecutor(max_tasks_per_child=1)`` refuses ``fork`` (ValueError: "max_
   tasks_per_child is incompatible with the 'fork' multiprocessing start method") and picks
   ``spawn`` when given no context; that default is the main row. ``forkserver`` is its fastest
   legal option and gets a row of its own. Their workers import only ``bench.tasks`` and a

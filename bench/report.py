@@ -150,8 +150,8 @@ def _latency(result: LatencyResult) -> str:
         + ", ".join(f"{v:+.0f}%" for v in result.journal_overhead_by_round_pct)
         + f". {len(result.rounds)} rounds, each opening a fresh pool of either kind in turn, "
         '`journal={"policy": "off"}` with no path being no journal at all.',
-        "Start methods: pebble gets `fork` explicitly (the Linux default in 3.11). "
-        "`ProcessPoolExecutor(max_tasks_per_child=1)` refuses `fork` in 3.11 (ValueError) and "
+        "Start methods: pebble gets `fork` explicitly (Linux's default before Python 3.14). "
+        "`ProcessPoolExecutor(max_tasks_per_child=1)` refuses `fork` (ValueError) and "
         "defaults to `spawn`; `forkserver` is its fastest legal option. Their workers import "
         "only `bench.tasks`, so the rows show the peers' own cost.",
         "Ratio: pebble disposable (1 worker) p50 / the row's p50. pebble with more workers is "

@@ -55,15 +55,18 @@ def immortalize() -> int:
     frontier: list[object] = [*gc.get_objects(), *sys.modules.values()]
     marked = 0
     while frontier:
-        # An immortal object's count reads as the marker: it was marked already (or was born
-        # immortal). Keyed by identity, so that an object met twice in a round counts once.
-        fresh = {id(obj): obj for obj in frontier if sys.getrefcount(obj) < _IMMORTAL}
-        for address in fresh:
-            # The count is the first field of every object, its low half first in memory.
-            ctypes.memset(address, 0xFF, 4)
+        fresh = []
+        for obj in frontier:
+            # An immortal object's count reads as the marker: marked already (met twice), or
+            # born immortal. Marked at once, so that no other bookkeeping is needed: a set of
+            # addresses would leave its memory behind in every fork.
+            if sys.getrefcount(obj) < _IMMORTAL:
+                # The count is the first field of every object, its low half first in memory.
+                ctypes.memset(id(obj), 0xFF, 4)
+                fresh.append(obj)
         marked += len(fresh)
-        frontier = gc.get_referents(*fresh.values())
-        for obj in fresh.values():
+        frontier = gc.get_referents(*fresh)
+        for obj in fresh:
             if type(obj) is types.CodeType:
                 # Not a container to the collector: its constants (strings, tuples, the
                 # code of nested functions) are reached only through it.
