@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from workers import landlock
+from workers import immortal, landlock
 
 
 class Check(msgspec.Struct, frozen=True):
@@ -154,6 +154,7 @@ def _peer_pid() -> bool:
 
 
 def diagnose() -> list[Check]:
+    python = f"{sys.implementation.name} {sys.version.split()[0]}"
     child = _run_child_probes()
     abi = landlock.abi_version()
     cgroup, cgroup_writable = _cgroup2()
@@ -233,6 +234,14 @@ def diagnose() -> list[Check]:
             cgroup_writable,
             f"child groups can be made in {cgroup}",
             f"{cgroup or 'no cgroup2 mount'}: not writable; limits use setrlimit only",
+        ),
+        Check(
+            "immortal template",
+            immortal.supported(),
+            f"{python}: workers fork from a template whose objects are immortal, and copy"
+            " fewer of its pages (workers/immortal.py)",
+            f"{python}: workers copy every template page their reference counts touch"
+            " (CPython 3.12 or 3.13 makes them cheaper)",
         ),
         Check(
             "FUSE (for the tests)",

@@ -34,7 +34,7 @@ from sandbx_pool import Pool, Status
 from sandbx_pool.cli import main as cli_main
 from sandbx_pool.config import load_config
 from sandbx_pool.errors import ConfigError
-from workers import landlock
+from workers import immortal, landlock
 from workers.protocol import MAX_MESSAGE_BYTES, Ready, Result, call_decoder, encoder
 from workers.sandbox import remove_tree
 from workers.template import CONTAINMENT_ENV
@@ -563,3 +563,4 @@ def test_doctor_reports_what_this_machine_enforces(capsys: pytest.CaptureFixture
     assert checks["Landlock network rules (ABI 4)"] is (abi >= 4)
     assert checks["root"] is (os.geteuid() == 0)
     assert checks["pidfd"] is True
+    assert checks["immortal template"] is immortal.supported()
