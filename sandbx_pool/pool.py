@@ -176,7 +176,12 @@ class Pool:
             return
         call = CallState(f"{self._id_prefix}-recovery", "_remove_temps", {"paths": paths}, 30.0)
         call.context = self._context(call, self.workspace)
-        worker = await self._acquire(call)
+        try:
+            worker = await self._acquire(call)
+        except WorkersFailToStart as exc:
+            # The pool is open all the same: its calls will meet the same error, and say so.
+            logger.warning("could not remove leftovers of in-doubt writes: {}", exc)
+            return
         assert worker is not None
         try:
             outcome = await self._execute(call, worker)

@@ -48,7 +48,9 @@ class WorkerSet:
         self.waiting: deque[CallState] = deque()
         self.busy = 0
         self.starting = 0
-        #: Workers that exited before connecting since one last did connect.
+        #: Whether the last worker to end its start exited instead of connecting.
+        self.starts_failing = False
+        #: Workers that exited before connecting, in a row, for the calls waiting now.
         self.failed_starts = 0
         self._early_ready: dict[str, int | None] = {}
 
@@ -65,6 +67,10 @@ class WorkerSet:
 
     def enqueue(self, call: CallState) -> None:
         """``call`` wants a worker: ``call.assigned`` resolves when it has one."""
+        if self.starts_failing and not self.waiting:
+            # The first call to wait since starts began failing gets its full count of tries,
+            # whatever spares failed before it came.
+            self.failed_starts = 0
         self.waiting.append(call)
         self.assign()
         self.replenish(eager=False)
@@ -99,12 +105,13 @@ class WorkerSet:
         are busy: a queue of 300 behind 4 busy workers needs none yet) plus spares: ``eager``
         (a call just finished, a worker exited) keeps ``prefork`` spares; not eager (a call is
         being dispatched) keeps one, and the rest waits until the call is done, because a fork
-        and a worker's start-up compete for the same cores as the call being served.
+        and a worker's start-up compete for the same cores as the call being served. While
+        workers fail to start, no spares: only a waiting call is worth another try.
         """
         if not self.forking:
             return
         runnable = min(len(self.waiting), self.max_workers - self.busy)
-        spares = min(self.prefork, self.max_workers)
+        spares = 0 if self.starts_failing else min(self.prefork, self.max_workers)
         wanted = runnable + (spares if eager else min(spares, 1))
         missing = wanted - len(self.idle) - self.starting
         if missing > 0:
@@ -184,9 +191,11 @@ class WorkerSet:
         self.replenish()
 
     def _failed_to_start(self, returncode: int) -> None:
+        self.starts_failing = True
         self.failed_starts += 1
-        if self.failed_starts % MAX_FAILED_STARTS:
+        if self.failed_starts < MAX_FAILED_STARTS or not self.waiting:
             return
+        self.failed_starts = 0
         if returncode < 0:
             why = f"killed by signal {-returncode}"
             with contextlib.suppress(ValueError):
@@ -198,12 +207,14 @@ class WorkerSet:
             f" (the last: {why}); the template's stderr says why"
         )
         logger.error("{}", error)
-        # Each waiting call fails; a later call tries again, MAX_FAILED_STARTS forks at most.
+        # Each waiting call fails; a later call tries again, MAX_FAILED_STARTS forks at most,
+        # and until one does, nothing is forked (replenish forks no spares meanwhile).
         while self.waiting:
             self.waiting.popleft().assigned.set_exception(error)
 
     def _maybe_idle(self, worker: Worker) -> None:
         if worker.state is WorkerState.STARTING and worker.ready and worker.pid is not None:
+            self.starts_failing = False
             self.failed_starts = 0
             self.starting -= 1
             worker.state = WorkerState.IDLE

@@ -42,6 +42,8 @@ def supported() -> bool:
         and sys.maxsize > 2**32
         and sys.byteorder == "little"
         and not sysconfig.get_config_var("Py_GIL_DISABLED")
+        # A Py_TRACE_REFS build (3.12) puts two list pointers before the count.
+        and not hasattr(sys, "getobjects")
     )
 
 

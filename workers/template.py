@@ -188,9 +188,12 @@ class Template:
                 containment.set_child_subreaper()
             workers.runtime.serve(token, self.endpoint, self.own_pidfd, self.file_rules)
         except BaseException:
-            # Nobody else can report a worker that broke before it could connect.
-            traceback.print_exc()
-            os._exit(70)
+            # Nobody else can report a worker that broke before it could connect. Whatever
+            # happens to the report, never unwind into the template's code.
+            try:
+                traceback.print_exc()
+            finally:
+                os._exit(70)
         os._exit(0)
 
     def reap(self) -> None:
