@@ -62,10 +62,23 @@ class CallState:
         )
 
 
+def describe_exit(returncode: int) -> str:
+    """How a process ended, from its subprocess-style return code: ``killed by SIGKILL``,
+    ``exit status 70``."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:  # a signal the enum does not name (a real-time one)
+        return f"killed by signal {-returncode}"
+
+
 def crash_message(returncode: int, context: ExecutionContext) -> str:
     if returncode < 0:
-        name = signal.Signals(-returncode).name
         if returncode == -signal.SIGXCPU:
-            return f"CPU time limit exceeded ({context.limits.cpu_seconds} s): killed by {name}"
-        return f"worker died without answering: killed by {name}"
+            return (
+                f"CPU time limit exceeded ({context.limits.cpu_seconds} s):"
+                f" {describe_exit(returncode)}"
+            )
+        return f"worker died without answering: {describe_exit(returncode)}"
     return f"worker exited with status {returncode} without answering"

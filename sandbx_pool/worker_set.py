@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from loguru import logger
 
-from sandbx_pool.call_state import CallState
+from sandbx_pool.call_state import CallState, describe_exit
 from sandbx_pool.errors import WorkersFailToStart
 from sandbx_pool.worker_handle import Worker, WorkerState
 from workers.protocol import Exited, Ready, Spawned
@@ -196,15 +196,9 @@ class WorkerSet:
         if self.failed_starts < MAX_FAILED_STARTS or not self.waiting:
             return
         self.failed_starts = 0
-        if returncode < 0:
-            why = f"killed by signal {-returncode}"
-            with contextlib.suppress(ValueError):
-                why = f"killed by {signal.Signals(-returncode).name}"
-        else:
-            why = f"exit status {returncode}"
         error = WorkersFailToStart(
             f"no worker could start: {MAX_FAILED_STARTS} in a row exited before connecting"
-            f" (the last: {why}); the template's stderr says why"
+            f" (the last: {describe_exit(returncode)}); the template's stderr says why"
         )
         logger.error("{}", error)
         # Each waiting call fails; a later call tries again, MAX_FAILED_STARTS forks at most,

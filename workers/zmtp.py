@@ -70,14 +70,14 @@ class Dealer:
             b"READY", _metadata({b"Socket-Type": b"DEALER", b"Identity": self.identity})
         )
         self._sock.sendall(GREETING + ready)
-        self._set_timeout(socket.SO_RCVTIMEO, timeout_s)
+        _set_timeout(self._sock, socket.SO_RCVTIMEO, timeout_s)
         try:
             self._check_greeting(self._read_exact(len(GREETING)))
             flags, body = self._read_frame()
         except TimeoutError as exc:
             raise TimeoutError(f"no ZMTP handshake from the peer within {timeout_s:g} s") from exc
         finally:
-            self._set_timeout(socket.SO_RCVTIMEO, 0)
+            _set_timeout(self._sock, socket.SO_RCVTIMEO, 0)
         if not flags & _COMMAND or body[:6] != b"\x05READY":
             raise ProtocolError("the peer's handshake did not start with READY")
         socket_type = _properties(body[6:]).get(b"Socket-Type")
@@ -87,14 +87,14 @@ class Dealer:
     def send(self, payload: bytes, *, timeout_s: float) -> None:
         """Send one single-frame message, waiting ``timeout_s`` at most for a peer that has
         stopped reading."""
-        self._set_timeout(socket.SO_SNDTIMEO, timeout_s)
+        _set_timeout(self._sock, socket.SO_SNDTIMEO, timeout_s)
         self._sock.sendall(_frame(payload, flags=0))
 
     def recv(self, *, timeout_s: float) -> bytes | None:
         """The next message's one frame, for a caller that polled the socket readable; None
         when only commands were waiting (poll again). A frame once begun must arrive whole
         within ``timeout_s``."""
-        self._set_timeout(socket.SO_RCVTIMEO, timeout_s)
+        _set_timeout(self._sock, socket.SO_RCVTIMEO, timeout_s)
         try:
             while True:
                 flags, body = self._read_frame()
@@ -104,7 +104,7 @@ class Dealer:
                 if not select.select([self._sock], [], [], 0)[0]:
                     return None
         finally:
-            self._set_timeout(socket.SO_RCVTIMEO, 0)
+            _set_timeout(self._sock, socket.SO_RCVTIMEO, 0)
         if flags & _MORE:
             raise ProtocolError("a multipart message where one frame was expected")
         return body
@@ -118,9 +118,6 @@ class Dealer:
         mechanism = peer[12:32].rstrip(b"\x00")
         if mechanism != b"NULL":
             raise ProtocolError(f"the peer wants the {mechanism!r} mechanism, not NULL")
-
-    def _set_timeout(self, option: int, seconds: float) -> None:
-        _set_timeout(self._sock, option, seconds)
 
     def _read_frame(self) -> tuple[int, bytes]:
         flags = self._read_exact(1)[0]
