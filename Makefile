@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-fast bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --clear $(VENV)
@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/sandbx-pool demo
 
+# The whole suite, every time (CI runs this); it ends by saying how long it took.
 test: $(STAMP)
-	$(BIN)/pytest -q
+	@start=$$(date +%s); $(BIN)/pytest -q; status=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$status
+
+# Everything but the tests marked slow (the soaks and crash loops), for a quick check while editing.
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

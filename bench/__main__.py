@@ -68,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, format="[{elapsed}] {message}", level="INFO", filter=progress_or_warning)
     logger.enable("sandbx_pool")
-    logger.enable("workers")
 
     result = report.Report(
         started=datetime.now().astimezone(), argv=argv, load_before=os.getloadavg()

@@ -38,10 +38,10 @@ def _round(path: str, fork: Callable[[], int]) -> int:
 def main(argv: list[str]) -> int:
     count, path = int(argv[0]), argv[1]
     if "--preload" in argv:
-        import workers.template  # noqa: F401 (loaded for its weight: the template's imports)
+        import sandbx_pool.workers.template  # noqa: F401 (loaded for its weight: the template's imports)
     fork = os.fork
     if "--bare-fork" in argv:
-        from workers import bare_fork
+        from sandbx_pool.workers import bare_fork
 
         fork = bare_fork.fork
     for _ in range(max(5, count // 10)):

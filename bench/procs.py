@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 #: The command line of the template and of its workers (forked, never exec'd).
-TEMPLATE_MODULE = "workers.template"
+TEMPLATE_MODULE = "sandbx_pool.workers.template"
 
 #: multiprocessing's own servers, started by the ProcessPoolExecutor peers and kept for the
 #: life of the process: not left by anyone's call, so not counted (and named in the report).

@@ -284,7 +284,7 @@ def _throughput(result: ThroughputResult) -> str:
 
 
 _CONNECTION_NAMES = {
-    "zmtp": "ZMTP spoken by the worker (workers.zmtp), what the pool does",
+    "zmtp": "ZMTP spoken by the worker (sandbx_pool.workers.zmtp), what the pool does",
     "libzmq": "a libzmq DEALER, with a context (two threads) per worker, as before",
 }
 

@@ -31,8 +31,8 @@ from bench.latency import CALL_TIMEOUT_S, read_once
 from bench.procs import Leftovers, leftovers
 from bench.workspace import MARKER, BenchWorkspace
 from sandbx_pool import CancelToken, Pool
-from sandbx_pool.journal_reader import in_doubt, read_journal
-from sandbx_pool.journal_records import IntentRecord, OutcomeRecord
+from sandbx_pool.journal.reader import in_doubt, read_journal
+from sandbx_pool.journal.records import IntentRecord, OutcomeRecord
 
 PARALLEL = 8
 TASK_CANCELLED = "task cancelled"  # the awaiting asyncio task was cancelled: no outcome returned

@@ -21,8 +21,8 @@ MODES = ("zmtp", "libzmq")
 
 
 def _worker(endpoint: str, workspace: str, mode: str, token: str) -> None:
-    from workers import runtime, zmtp
-    from workers.protocol import MAX_MESSAGE_BYTES, Ready, call_decoder, encoder
+    from sandbx_pool.workers import runtime, zmtp
+    from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Ready, call_decoder, encoder
 
     os.setsid()
     ready = encoder.encode(Ready(token=token))
@@ -55,12 +55,12 @@ def _worker(endpoint: str, workspace: str, mode: str, token: str) -> None:
 
 def main(argv: list[str]) -> int:
     count, endpoint, workspace, mode = int(argv[0]), argv[1], argv[2], argv[3]
-    import workers.template
+    import sandbx_pool.workers.template
 
     if mode == "libzmq":
         import zmq  # noqa: F401 (in the template, as before: its weight is part of the cost)
-    workers.template.warm_up()
-    from workers import bare_fork
+    sandbx_pool.workers.template.warm_up()
+    from sandbx_pool.workers import bare_fork
 
     costs = []
     for i in range(count):
@@ -85,7 +85,7 @@ def serve_calls(
     """A ROUTER answering every Ready with a read of ``path`` (bound before this returns)."""
     import zmq
 
-    from workers.protocol import Call, ExecutionContext, encoder
+    from sandbx_pool.workers.protocol import Call, ExecutionContext, encoder
 
     context = zmq.Context.instance()
     router = context.socket(zmq.ROUTER)

@@ -1,32 +1,66 @@
 """sandbx-pool: every agent tool call in a disposable worker process reached over ZeroMQ.
 
-from sandbx_pool import Pool, CancelToken
+    from sandbx_pool import Pool, CancelToken
 
-async with Pool(workspace) as pool:
-    outcome = await pool.call("read", {"path": "README.md"}, timeout=5)
+    async with Pool(workspace) as pool:
+        outcome = await pool.call("read", {"path": "README.md"}, timeout=5)
+
+The package has two sides that share one installed namespace:
+
+* the coordinator (everything here but ``workers``): the Pool, its journal, the batch runner,
+  the command line and the integrations;
+* ``sandbx_pool.workers`` (the repository's ``workers/`` folder): what runs inside the template
+  and its disposable workers. It never imports the coordinator, and the coordinator uses only
+  its contract (``protocol``, ``schemas``) and leaf helpers (``globs``, ``procfs``).
+
+The public names below are loaded on first use (PEP 562), not at import: the template runs
+``sandbx_pool.workers.template``, and importing it must not load the coordinator (asyncio,
+pyzmq, loguru) into every worker it forks.
 """
 
-from loguru import logger
+from __future__ import annotations
 
-from sandbx_pool.cancel import CancelToken
-from sandbx_pool.config import Config, JournalPolicy, load_config
-from sandbx_pool.errors import (
-    ConfigError,
-    JournalError,
-    JournalLocked,
-    PoolClosed,
-    PoolNotStarted,
-    SandbxPoolError,
-    TemplateLost,
-)
-from sandbx_pool.outcome import KilledBy, Outcome, Status
-from sandbx_pool.pool import Pool, PoolState
-from workers.protocol import Limits
-from workers.schemas import tool_schemas
+import importlib
+from typing import TYPE_CHECKING, Any
 
-# A library logs but never chooses sinks: applications opt in with logger.enable("sandbx_pool").
-logger.disable("sandbx_pool")
-logger.disable("workers")
+if TYPE_CHECKING:
+    from sandbx_pool.cancel import CancelToken
+    from sandbx_pool.config import Config, JournalPolicy, load_config
+    from sandbx_pool.errors import (
+        ConfigError,
+        JournalError,
+        JournalLocked,
+        PoolClosed,
+        PoolNotStarted,
+        SandbxPoolError,
+        TemplateLost,
+    )
+    from sandbx_pool.outcome import KilledBy, Outcome, Status
+    from sandbx_pool.pool import Pool, PoolState
+    from sandbx_pool.workers.protocol import Limits
+    from sandbx_pool.workers.schemas import tool_schemas
+
+#: Where each public name lives.
+_HOMES = {
+    "CancelToken": "sandbx_pool.cancel",
+    "Config": "sandbx_pool.config",
+    "JournalPolicy": "sandbx_pool.config",
+    "load_config": "sandbx_pool.config",
+    "ConfigError": "sandbx_pool.errors",
+    "JournalError": "sandbx_pool.errors",
+    "JournalLocked": "sandbx_pool.errors",
+    "PoolClosed": "sandbx_pool.errors",
+    "PoolNotStarted": "sandbx_pool.errors",
+    "SandbxPoolError": "sandbx_pool.errors",
+    "TemplateLost": "sandbx_pool.errors",
+    "KilledBy": "sandbx_pool.outcome",
+    "Outcome": "sandbx_pool.outcome",
+    "Status": "sandbx_pool.outcome",
+    "Pool": "sandbx_pool.pool",
+    "PoolState": "sandbx_pool.pool",
+    "Limits": "sandbx_pool.workers.protocol",
+    "tool_schemas": "sandbx_pool.workers.schemas",
+}
 
 __all__ = [
     "CancelToken",
@@ -48,3 +82,16 @@ __all__ = [
     "load_config",
     "tool_schemas",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'sandbx_pool' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

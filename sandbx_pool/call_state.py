@@ -10,7 +10,7 @@ from typing import Any
 
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.worker_handle import Worker
-from workers.protocol import ExecutionContext, Limits, Result
+from sandbx_pool.workers.protocol import ExecutionContext, Limits, Result
 
 
 class CallState:

@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from sandbx_pool.errors import ConfigError
-from workers.protocol import Limits, Sandbox
+from sandbx_pool.workers.protocol import Limits, Sandbox
 
 MiB = 1024 * 1024
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from workers.schemas import ToolArgs
+from sandbx_pool.workers.schemas import ToolArgs
 
 
 def within(path: str, root: str) -> bool:

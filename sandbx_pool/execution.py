@@ -18,15 +18,15 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
-from loguru import logger
 
 from sandbx_pool.call_state import CallState, crash_message
 from sandbx_pool.config import CallSettings
-from sandbx_pool.journal import Journal
+from sandbx_pool.journal.store import Journal
+from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
 from sandbx_pool.worker_handle import Worker, describe_stuck
-from workers.protocol import Call, encoder
-from workers.schemas import RUNS_PROGRAMS
+from sandbx_pool.workers.protocol import Call, encoder
+from sandbx_pool.workers.schemas import RUNS_PROGRAMS
 
 #: A worker's Result and its exit notice travel on different channels, so the exit may be seen
 #: first. After a clean exit (the Result was handed to ZeroMQ), wait this long for it; after a
@@ -76,7 +76,12 @@ async def execute(
         if status is Status.OUTPUT_LIMIT:
             common["killed_by"] = KilledBy.OUTPUT_LIMIT
         return call.outcome(
-            status, value=result.value, error=result.error, limit=result.limit, **common
+            status,
+            value=result.value,
+            error=result.error,
+            error_code=result.error_code,
+            limit=result.limit,
+            **common,
         )
     if call.killer is not None:
         if await stop_worker(call, worker, settings):

@@ -30,9 +30,9 @@ import re
 from collections.abc import Callable
 
 from sandbx_pool.config import GateRule
-from workers.errors import ToolError
-from workers.schemas import ToolArgs
-from workers.tools.globs import compile_glob
+from sandbx_pool.workers.errors import ToolError
+from sandbx_pool.workers.globs import compile_glob
+from sandbx_pool.workers.schemas import ToolArgs
 
 #: The callback: True or None allows; False denies; a string denies with that reason.
 #: It runs on the event loop, so it must not block; an exception it raises denies the call.

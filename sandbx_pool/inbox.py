@@ -21,11 +21,11 @@ import hmac
 from collections.abc import Callable
 
 import zmq
-from loguru import logger
 
+from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Status
 from sandbx_pool.worker_handle import Worker
-from workers.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Ready, worker_decoder
+from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Ready, worker_decoder
 
 _STATUSES = frozenset(status.value for status in Status)
 

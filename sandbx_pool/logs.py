@@ -1,7 +1,9 @@
-"""Log sinks for the command line. The library only logs; applications choose the sinks.
+"""The package's logger, and the sinks the command line gives it.
 
-Following loguru's advice for libraries, ``sandbx_pool`` is disabled until an application calls
-``logger.enable("sandbx_pool")`` (the CLI does, through ``configure_logging``).
+Every module logs through ``sandbx_pool.logs.logger`` (loguru's), so that this module runs before
+the first message. Following loguru's advice for libraries, ``sandbx_pool`` is disabled here
+until an application calls ``logger.enable("sandbx_pool")`` (the CLI does, through
+``configure_logging``): a library logs but never chooses sinks.
 """
 
 from __future__ import annotations
@@ -9,6 +11,10 @@ from __future__ import annotations
 import sys
 
 from loguru import logger
+
+logger.disable("sandbx_pool")
+
+__all__ = ["configure_logging", "logger"]
 
 _LEVELS = ["ERROR", "WARNING", "INFO", "DEBUG", "TRACE"]
 

@@ -50,7 +50,9 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     did not die after SIGKILL (blocked in the kernel, e.g. on a hung mount): the caller is
     released anyway and the worker is reaped whenever it finally exits; ``wchan`` says where it
     was stuck, and ``stuck_pid`` which process was (the worker, or a descendant: bash's).
-    ``limit`` names the resource limit that stopped the call, if one did.
+    ``limit`` names the resource limit that stopped the call, if one did. ``error_code`` is the
+    errno name (``"ENOENT"``) behind an ``error`` whose cause was an OS error: match on it, not
+    on ``error``'s text, which names the caller's path.
     """
 
     call_id: str
@@ -68,6 +70,7 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     quarantined: bool = False
     wchan: str | None = None
     stuck_pid: int | None = None
+    error_code: str | None = None
 
     @property
     def ok(self) -> bool:

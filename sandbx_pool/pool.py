@@ -43,9 +43,8 @@ import time
 from typing import Any
 
 import msgspec
-from loguru import logger
 
-from sandbx_pool import confine, journal_reader
+from sandbx_pool import confine
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelCallback, CancelToken
 from sandbx_pool.config import Config, JournalPolicy, load_config
@@ -53,14 +52,16 @@ from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, Workers
 from sandbx_pool.execution import execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
-from sandbx_pool.journal import Journal
-from sandbx_pool.journal_records import IntentRecord
+from sandbx_pool.journal import reader as journal_reader
+from sandbx_pool.journal.records import IntentRecord
+from sandbx_pool.journal.store import Journal
+from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
 from sandbx_pool.runtime_dir import default_journal_path, make_private_dir
 from sandbx_pool.template import TemplateProcess
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
 from sandbx_pool.worker_set import WorkerSet
-from workers.protocol import (
+from sandbx_pool.workers.protocol import (
     ExecutionContext,
     Exited,
     FromTemplate,
@@ -69,7 +70,7 @@ from workers.protocol import (
     Sandbox,
     Spawned,
 )
-from workers.schemas import UnknownTool, parse_args
+from sandbx_pool.workers.schemas import UnknownTool, parse_args
 
 
 class PoolState(enum.IntEnum):

@@ -13,8 +13,7 @@ import os
 import signal
 from collections.abc import Awaitable, Callable
 
-from loguru import logger
-
+from sandbx_pool.logs import logger
 from sandbx_pool.pool import Pool
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)

@@ -18,10 +18,9 @@ import sys
 import threading
 from collections.abc import Callable
 
-from loguru import logger
-
 from sandbx_pool.errors import TemplateLost
-from workers.protocol import (
+from sandbx_pool.logs import logger
+from sandbx_pool.workers.protocol import (
     FromTemplate,
     PrebuildFileRules,
     Sandbox,
@@ -69,7 +68,7 @@ class TemplateProcess:
                 [
                     sys.executable,
                     "-m",
-                    "workers.template",
+                    "sandbx_pool.workers.template",
                     f"--control-fd={self._child_sock.fileno()}",
                     f"--endpoint={self._endpoint}",
                     f"--parent-pid={os.getpid()}",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Final, Literal, get_args
 
-from workers.schemas import TOOL_ARGS, tool_schemas
+from sandbx_pool.workers.schemas import TOOL_ARGS, tool_schemas
 
 ToolStyle = Literal["anthropic", "openai", "mcp"]
 STYLES: Final[tuple[str, ...]] = get_args(ToolStyle)

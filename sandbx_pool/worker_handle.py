@@ -10,7 +10,7 @@ import signal
 import time
 from typing import Any
 
-from workers.containment import children
+from sandbx_pool.workers.procfs import children
 
 
 class WorkerState(enum.IntEnum):

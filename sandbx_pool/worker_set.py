@@ -18,12 +18,11 @@ import signal
 from collections import deque
 from collections.abc import Callable
 
-from loguru import logger
-
 from sandbx_pool.call_state import CallState, describe_exit
 from sandbx_pool.errors import WorkersFailToStart
+from sandbx_pool.logs import logger
 from sandbx_pool.worker_handle import Worker, WorkerState
-from workers.protocol import Exited, Ready, Spawned
+from sandbx_pool.workers.protocol import Exited, Ready, Spawned
 
 #: Workers in a row that may exit before connecting (a bug, a limit, a host that refuses what a
 #: worker sets up, the coordinator's socket removed from under it) before the calls waiting for

@@ -233,7 +233,7 @@ def _serve(mountpoint: str) -> None:
 
 if __name__ == "__main__":
     # Die with the test even if it is SIGKILLed: a daemon left behind keeps a mount alive.
-    from workers.containment import set_parent_death_signal
+    from sandbx_pool.workers.containment import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGTERM)
     _serve(sys.argv[1])

@@ -7,18 +7,38 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from conftest import is_marked
 
+#: How often a predicate on the outside world is looked at again.
+POLL_S = 0.005
 
-async def wait_until(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
-    """Poll ``predicate`` until it holds; for waiting on other processes, which send no event."""
+
+def _pauses(predicate: Callable[[], bool], within_s: float, what: str) -> Iterator[float]:
+    """Yields the pause before each new look at ``predicate``; fails after ``within_s``."""
     deadline = time.monotonic() + within_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {within_s} s")
-        await asyncio.sleep(0.005)
+            raise AssertionError(f"{what}: not within {within_s} s")
+        yield POLL_S
+
+
+async def wait_until(
+    predicate: Callable[[], bool], within_s: float = 5.0, what: str = "the condition"
+) -> None:
+    """Poll ``predicate`` until it holds, for waiting on other processes (they send no event
+    this test could await); fails the test after ``within_s``."""
+    for pause in _pauses(predicate, within_s, what):
+        await asyncio.sleep(pause)
+
+
+def wait_until_sync(
+    predicate: Callable[[], bool], within_s: float = 5.0, what: str = "the condition"
+) -> None:
+    """``wait_until`` for a test with no event loop."""
+    for pause in _pauses(predicate, within_s, what):
+        time.sleep(pause)
 
 
 def fifo_has_reader(path: str | os.PathLike[str]) -> bool:

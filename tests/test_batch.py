@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 from conftest import MARKER, marked_config
+from helpers import wait_until_sync
 
 from sandbx_pool import CancelToken, Outcome, Pool, Status
-from sandbx_pool.batch import (
+from sandbx_pool.batch.calls import (
     MAX_REPORTED,
     BatchFileError,
     CallSpec,
@@ -31,11 +32,11 @@ from sandbx_pool.batch import (
     load_batch,
     parse_batch,
 )
-from sandbx_pool.batch_progress import Progress, format_summary
-from sandbx_pool.batch_run import BatchReport, finished_call_ids, run_batch
-from sandbx_pool.cli import build_parser
-from sandbx_pool.journal_reader import in_doubt, read_journal
-from sandbx_pool.journal_records import IntentRecord, OutcomeRecord, encoder
+from sandbx_pool.batch.progress import Progress, format_summary
+from sandbx_pool.batch.run import BatchReport, finished_call_ids, run_batch
+from sandbx_pool.cli.main import build_parser
+from sandbx_pool.journal.reader import in_doubt, read_journal
+from sandbx_pool.journal.records import IntentRecord, OutcomeRecord, encoder
 from sandbx_pool.outcome import KilledBy
 
 DEADLINE_S = 60.0
@@ -102,15 +103,15 @@ def start_cli(argv: list[str], out: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def wait_until(
-    predicate: Callable[[], bool], what: str, proc: subprocess.Popen[bytes] | None = None
-) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if proc is not None and proc.poll() is not None:
+def wait_until(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[bytes]) -> None:
+    """Until ``predicate`` holds, failing at once if the command ``proc`` exits first."""
+
+    def holds() -> bool:
+        if proc.poll() is not None:
             pytest.fail(f"the command exited ({proc.returncode}) before {what}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)  # waiting on another process: nothing to await
+        return predicate()
+
+    wait_until_sync(holds, DEADLINE_S, what)
 
 
 def count_in(path: Path, needle: bytes) -> int:

@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from sandbx_pool.batch_commands import effective_config
-from sandbx_pool.cli import build_parser
+from sandbx_pool.cli.batch import effective_config
+from sandbx_pool.cli.main import build_parser
 from sandbx_pool.config import Config, JournalPolicy, load_config
 from sandbx_pool.errors import ConfigError
 

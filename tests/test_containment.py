@@ -17,18 +17,18 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import MARKER, leftover_processes, marked_config
-from helpers import fifo_has_reader, pids_with, unique_tag, wait_until
+from helpers import fifo_has_reader, pids_with, unique_tag, wait_until, wait_until_sync
 
 from sandbx_pool import CancelToken, KilledBy, Pool, PoolClosed, Status
-from workers.protocol import FromTemplate, Spawned
-from workers.template import CONTAINMENT_ENV
+from sandbx_pool.workers.procfs import children
+from sandbx_pool.workers.protocol import FromTemplate, Spawned
+from sandbx_pool.workers.template import CONTAINMENT_ENV
 
 #: Ways a command leaves its process group. Each runs a sleep whose argv[0] is the tag.
 ESCAPES = (
@@ -41,18 +41,6 @@ ESCAPES = (
 def escaping(tag: str, then: str) -> str:
     """A bash script that starts every escape, then runs ``then``."""
     return "\n".join([*(escape.format(tag=tag) for escape in ESCAPES), then])
-
-
-def children(pid: int) -> list[int]:
-    """The children of process ``pid`` (empty once it is gone)."""
-    found: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                found.extend(int(p) for p in f.read().split())
-    except FileNotFoundError:
-        pass
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -156,16 +144,6 @@ asyncio.run(main())
 """
 
 
-def _poll(predicate: Callable[[], bool], within_s: float) -> bool:
-    """Whether ``predicate`` came true within ``within_s`` (other processes send no event)."""
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def test_everything_dies_with_a_sigkilled_coordinator(containment: str, workspace: Path) -> None:
     since = uptime() - 0.01
     tag = unique_tag()
@@ -183,8 +161,11 @@ def test_everything_dies_with_a_sigkilled_coordinator(containment: str, workspac
         ]
     )
     try:
-        running = _poll(lambda: len(pids_with(tag)) == 3 and fifo_has_reader(fifo), 30)
-        assert running, "the coordinator's calls did not start"
+        wait_until_sync(
+            lambda: len(pids_with(tag)) == 3 and fifo_has_reader(fifo),
+            30,
+            "the coordinator's calls to start",
+        )
         (template,) = children(coordinator.pid)
         workers = children(template)
         assert len(workers) >= 4  # the four calls, plus any idle pre-forked ones
@@ -201,16 +182,18 @@ def test_everything_dies_with_a_sigkilled_coordinator(containment: str, workspac
             and not leftover_processes(since)
         )
 
-    assert _poll(everything_gone, 1.0), (
-        f"1 s after the coordinator died: tagged {pids_with(tag)}, template alive "
-        f"{alive(template)}, workers alive {[p for p in workers if alive(p)]}, "
-        f"leftovers {leftover_processes(since)}"
+    wait_until_sync(
+        everything_gone,
+        1.0,
+        f"everything gone after the coordinator died (now: tagged {pids_with(tag)}, template "
+        f"alive {alive(template)}, workers alive {[p for p in workers if alive(p)]}, "
+        f"leftovers {leftover_processes(since)})",
     )
 
 
 _AFTER_FORK_HOOKS = """
 import os, sys
-from workers import bare_fork
+from sandbx_pool.workers import bare_fork
 read_end, write_end = os.pipe()
 os.register_at_fork(after_in_child=lambda: os.write(write_end, b"hook"))
 for fork in (os.fork, bare_fork.fork):
@@ -237,7 +220,7 @@ def test_the_template_forks_without_pythons_after_fork_hooks() -> None:
 # -- 3. the forking thread ---------------------------------------------------------------------
 
 _ARMED_CHILD = """
-from workers.containment import set_parent_death_signal
+from sandbx_pool.workers.containment import set_parent_death_signal
 set_parent_death_signal()
 print("armed", flush=True)
 import time

@@ -24,7 +24,7 @@ from conftest import marked_config
 from helpers import wait_until
 
 from sandbx_pool import CancelToken, Outcome, Pool, Status
-from workers.tools.files import TEMP_MARKER
+from sandbx_pool.workers.tools.files import TEMP_MARKER
 
 _MiB = 1024 * 1024
 

@@ -20,9 +20,9 @@ from helpers import wait_until
 
 from sandbx_pool import Config, ConfigError, Outcome, Pool, Status, load_config
 from sandbx_pool.gate import Gate
-from sandbx_pool.journal_reader import read_journal
-from sandbx_pool.journal_records import OutcomeRecord, StartedRecord
-from workers.schemas import ToolArgs, WriteArgs, parse_args
+from sandbx_pool.journal.reader import read_journal
+from sandbx_pool.journal.records import OutcomeRecord, StartedRecord
+from sandbx_pool.workers.schemas import ToolArgs, WriteArgs, parse_args
 
 RULES_TOML = r"""
 [[gate.rules]]

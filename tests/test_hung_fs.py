@@ -22,7 +22,7 @@ from fusefs import STALLED, HungFs, require_fuse
 from helpers import wait_until
 
 from sandbx_pool import CancelToken, KilledBy, Pool, Status
-from workers.rules import FILE_RULES_TIMEOUT_S
+from sandbx_pool.workers.rules import FILE_RULES_TIMEOUT_S
 
 #: After SIGKILL, how long the pool waits for a worker to die before it quarantines it.
 KILL_WAIT_S = 0.2

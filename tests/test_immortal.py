@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from workers import immortal
+from sandbx_pool.workers import immortal
 
 #: A stand-in for a template: objects made before the fork, touched by the child after it.
 #: The child only reads them, as a worker reads the template's functions and constants, yet
@@ -20,7 +20,7 @@ from workers import immortal
 _FORK_AND_TOUCH = textwrap.dedent(
     """
     import os, resource, sys
-    from workers import immortal
+    from sandbx_pool.workers import immortal
 
     objects = [[i] for i in range(50_000)]  # ~4 MB of small containers over ~1,000 pages
     marked = immortal.immortalize() if sys.argv[1] == "immortal" else 0
@@ -67,7 +67,7 @@ def test_objects_made_afterwards_stay_mortal() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from workers import immortal
+        from sandbx_pool.workers import immortal
         before = object.__new__(type("Before", (), {}))
         keep = [before]
         immortal.immortalize()

@@ -22,18 +22,17 @@ from typing import Any
 
 import msgspec
 import pytest
+from helpers import wait_until
 from loguru import logger
 
+from sandbx_pool.cli.journal import add_journal_parser
 from sandbx_pool.config import JournalPolicy, JournalSettings
 from sandbx_pool.errors import JournalError, JournalLocked
-from sandbx_pool.journal import Journal, JournalState
-from sandbx_pool.journal_commands import add_journal_parser
-from sandbx_pool.journal_reader import (
-    completed_call_ids,
+from sandbx_pool.journal.reader import (
     in_doubt,
     read_journal,
 )
-from sandbx_pool.journal_records import (
+from sandbx_pool.journal.records import (
     InDoubtRecord,
     IntentRecord,
     OutcomeRecord,
@@ -43,8 +42,9 @@ from sandbx_pool.journal_records import (
     summarize,
     summarize_value,
 )
+from sandbx_pool.journal.store import Journal, JournalState
 from sandbx_pool.outcome import KilledBy, Outcome, Status
-from workers.schemas import SIDE_EFFECT_TOOLS
+from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
 
 REPO = Path(__file__).resolve().parents[1]
 DEADLINE_S = 10.0
@@ -74,15 +74,6 @@ def lines(path: Path) -> list[bytes]:
     return contents(path).splitlines()
 
 
-async def eventually(predicate: Callable[[], bool], what: str) -> None:
-    """Poll ``predicate`` until it holds, failing after DEADLINE_S (never sleeps for order)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
-
-
 @pytest.fixture
 def path(tmp_path: Path) -> Path:
     return tmp_path / "journals" / "j.jsonl"
@@ -94,8 +85,7 @@ async def opened(path: Path) -> AsyncIterator[Callable[..., Awaitable[Journal]]]
     journals: list[Journal] = []
 
     async def open_journal(**kwargs: Any) -> Journal:
-        on_in_doubt = kwargs.pop("on_in_doubt", None)
-        journal = await Journal.open(path, settings(**kwargs), on_in_doubt=on_in_doubt)
+        journal = await Journal.open(path, settings(**kwargs))
         journals.append(journal)
         return journal
 
@@ -297,7 +287,7 @@ async def test_always_fsyncs_every_intent(opened: Any, path: Path, fsyncs: list[
     assert len(fsyncs) == 1
     assert len(lines(path)) == 1
     journal.outcome(outcome("r1"))
-    await eventually(lambda: len(fsyncs) == 2, "the outcome's own fsync")
+    await wait_until(lambda: len(fsyncs) == 2, DEADLINE_S, "the outcome's own fsync")
 
 
 @pytest.fixture
@@ -320,7 +310,7 @@ async def test_only_durable_intents_wait_for_the_disk(
 ) -> None:
     journal = await opened(group_commit_ms=60_000)
     durable = asyncio.create_task(intent(journal, "w1", "write", path="a", content="x"))
-    await eventually(lambda: len(lines(path)) == 1, "the write intent to be written")
+    await wait_until(lambda: len(lines(path)) == 1, DEADLINE_S, "the write intent to be written")
     # The writer thread is stuck in fsync; the loop and non-durable records are not.
     await asyncio.wait_for(intent(journal, "r1", "read", path="a"), DEADLINE_S)
     journal.started("r1", 123)
@@ -362,7 +352,11 @@ async def test_outcomes_are_group_committed_without_flush(
     for i in range(50):
         await intent(journal, f"c{i}")
         journal.outcome(outcome(f"c{i}"))
-    await eventually(lambda: len(fsyncs) >= 1 and len(lines(path)) == 100, "a group commit")
+
+    def committed() -> bool:
+        return len(fsyncs) >= 1 and len(lines(path)) == 100
+
+    await wait_until(committed, DEADLINE_S, "a group commit")
     # 100 records, a handful of fsyncs: they were batched.
     assert len(fsyncs) < 20
 
@@ -497,38 +491,17 @@ async def test_corrupt_middle_line_is_skipped(opened: Any, path: Path) -> None:
     assert [r.call_id for r in journal.in_doubt] == ["b"]
 
 
-async def test_in_doubt_is_reported_once_and_cleaned_through_the_callback(
-    opened: Any, path: Path
-) -> None:
+async def test_in_doubt_is_reported_once(opened: Any, path: Path) -> None:
     write_lines(path, an_intent("a"), an_outcome("a"), an_intent("b"), an_intent("c", "read"))
-    seen: list[list[str]] = []
-
-    async def clean(calls: list[IntentRecord]) -> None:
-        seen.append([c.call_id for c in calls])
-
-    first = await opened(on_in_doubt=clean)
+    first = await opened()
     assert [r.call_id for r in first.in_doubt] == ["b", "c"]
-    assert seen == [["b", "c"]]
     await first.close()
 
-    second = await opened(on_in_doubt=clean)
+    second = await opened()
     assert second.in_doubt == []
-    assert seen == [["b", "c"]]
     # For a person auditing the run they are still in doubt: nobody knows if b's write landed.
     assert [r.call_id for r in in_doubt(read_journal(path))] == ["b", "c"]
     assert in_doubt(read_journal(path), include_reported=False) == []
-
-
-async def test_failed_cleanup_fails_open_and_reports_again(opened: Any, path: Path) -> None:
-    write_lines(path, an_intent("a"))
-
-    async def broken(calls: list[IntentRecord]) -> None:
-        raise RuntimeError("no worker")
-
-    with pytest.raises(RuntimeError, match="no worker"):
-        await Journal.open(path, settings(), on_in_doubt=broken)
-    journal = await opened()  # the lock was released, and "a" was not marked as reported
-    assert [r.call_id for r in journal.in_doubt] == ["a"]
 
 
 async def test_open_logs_path_and_in_doubt_count(opened: Any, path: Path) -> None:
@@ -561,7 +534,7 @@ LOCK_PROBE = """
     import asyncio, sys
     from sandbx_pool.config import JournalSettings
     from sandbx_pool.errors import JournalLocked
-    from sandbx_pool.journal import Journal
+    from sandbx_pool.journal.store import Journal
 
     async def main():
         try:
@@ -605,15 +578,6 @@ async def test_close_is_idempotent(opened: Any, path: Path) -> None:
     with pytest.raises(JournalError, match="closed"):
         await journal.flush()
     assert len(lines(path)) == 1
-
-
-def test_default_path(tmp_path: Path) -> None:
-    assert Journal.default_path(str(tmp_path)) == str(tmp_path / "journal.jsonl")
-
-
-def test_completed_call_ids(path: Path) -> None:
-    write_lines(path, an_intent("a"), an_intent("b"), an_outcome("a", status="error"))
-    assert completed_call_ids(path) == {"a"}
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -745,7 +709,7 @@ def test_cli_mentions_torn_tail_on_stderr(path: Path, capsys: pytest.CaptureFixt
 CRASHING_COORDINATOR = """
     import asyncio, random, sys
     from sandbx_pool.config import JournalSettings
-    from sandbx_pool.journal import Journal
+    from sandbx_pool.journal.store import Journal
     from sandbx_pool.outcome import Outcome, Status
 
     WORKERS = 4

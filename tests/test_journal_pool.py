@@ -18,9 +18,9 @@ from conftest import marked_config
 from loguru import logger
 
 from sandbx_pool import CancelToken, Config, Pool, Status
-from sandbx_pool.journal import Journal
-from sandbx_pool.journal_reader import read_journal
-from sandbx_pool.journal_records import IntentRecord, OutcomeRecord
+from sandbx_pool.journal.reader import read_journal
+from sandbx_pool.journal.records import IntentRecord, OutcomeRecord
+from sandbx_pool.journal.store import Journal
 
 
 def _pairs(path: Path) -> tuple[Counter[str], Counter[str], dict[str, str]]:

@@ -18,7 +18,7 @@ import pytest
 from conftest import marked_config
 
 from sandbx_pool import Pool, Status
-from workers.protocol import Limits
+from sandbx_pool.workers.protocol import Limits
 
 MiB = 1024 * 1024
 

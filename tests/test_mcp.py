@@ -27,10 +27,10 @@ from mcp import Client, ClientSession, StdioServerParameters, stdio_client, type
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
-from sandbx_pool.mcp_server import error_text, outcome_result
+from sandbx_pool.integrations.mcp import error_text, outcome_result
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.tool_definitions import tool_parameters
-from workers.schemas import TOOL_ARGS, tool_schemas
+from sandbx_pool.workers.schemas import TOOL_ARGS, tool_schemas
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -31,13 +31,13 @@ from helpers import wait_until
 from loguru import logger
 
 from sandbx_pool import Pool, Status
-from sandbx_pool.cli import main as cli_main
+from sandbx_pool.cli.main import main as cli_main
 from sandbx_pool.config import load_config
 from sandbx_pool.errors import ConfigError
-from workers import immortal, landlock
-from workers.protocol import MAX_MESSAGE_BYTES, Ready, Result, call_decoder, encoder
-from workers.sandbox import remove_tree
-from workers.template import CONTAINMENT_ENV
+from sandbx_pool.workers import immortal, landlock
+from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Ready, Result, call_decoder, encoder
+from sandbx_pool.workers.sandbox import remove_tree
+from sandbx_pool.workers.template import CONTAINMENT_ENV
 
 SECRET = "ssh-key-that-must-not-leak"
 PY = sys.executable

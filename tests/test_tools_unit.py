@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
-from workers.containment import set_child_subreaper
-from workers.errors import Denied, LimitExceeded, OutputLimitExceeded, ToolError
-from workers.protocol import ExecutionContext, encoder
-from workers.schemas import TOOL_ARGS, parse_args
-from workers.tools import TOOLS
-from workers.tools.files import TEMP_MARKER, open_regular, remove_leftover_temps
-from workers.tools.search import compile_glob
+from sandbx_pool.workers.containment import set_child_subreaper
+from sandbx_pool.workers.errors import Denied, LimitExceeded, OutputLimitExceeded, ToolError
+from sandbx_pool.workers.protocol import ExecutionContext, encoder
+from sandbx_pool.workers.schemas import TOOL_ARGS, parse_args
+from sandbx_pool.workers.tools import TOOLS
+from sandbx_pool.workers.tools.files import TEMP_MARKER, open_regular, remove_leftover_temps
+from sandbx_pool.workers.tools.search import compile_glob
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -456,7 +456,7 @@ def test_grep_skips_binary_git_and_unreadable(
             raise PermissionError(errno.EACCES, "Permission denied", path)
         return open_regular(path)
 
-    monkeypatch.setattr("workers.tools.search.open_regular", open_or_refuse)
+    monkeypatch.setattr("sandbx_pool.workers.tools.search.open_regular", open_or_refuse)
     value = call(ctx, "grep", pattern="hit")
     assert [m["path"] for m in value["matches"]] == ["ok.txt"]
     assert value["skipped"] == 1

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from workers import zmtp
+from sandbx_pool.workers import zmtp
 
 MAX = 1 << 20
 

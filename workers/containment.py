@@ -17,30 +17,19 @@ background daemon never outlives the call that started it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-PR_SET_NO_NEW_PRIVS = 38
-CLONE_NEWPID = 0x20000000
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+from sandbx_pool.workers import _libc
+from sandbx_pool.workers.procfs import children
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    _check(_libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    _libc.prctl(_libc.PR_SET_PDEATHSIG, sig, what="prctl(PR_SET_PDEATHSIG)")
 
 
 def set_child_subreaper() -> None:
-    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    _libc.prctl(_libc.PR_SET_CHILD_SUBREAPER, 1, what="prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 class PidNamespaces:
@@ -55,10 +44,10 @@ class PidNamespaces:
         self._own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 
     def enter_new(self) -> None:
-        _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+        _libc.unshare(_libc.CLONE_NEWPID, what="unshare(CLONE_NEWPID)")
 
     def leave(self) -> None:
-        _check(_libc.setns(self._own, CLONE_NEWPID), "setns(pid)")
+        _libc.setns(self._own, _libc.CLONE_NEWPID, what="setns(pid)")
 
 
 def probe_pid_namespaces() -> PidNamespaces | None:
@@ -74,21 +63,6 @@ def probe_pid_namespaces() -> PidNamespaces | None:
 
 def in_own_pid_namespace() -> bool:
     return os.getpid() == 1
-
-
-def children(pid: int | None = None) -> list[int]:
-    """Pids of the children (every thread's) of process ``pid`` (None: this one), from /proc."""
-    proc = f"/proc/{'self' if pid is None else pid}"
-    pids: list[int] = []
-    # Either may vanish as we read: a process or a thread that has exited has no children.
-    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-        for tid in os.listdir(f"{proc}/task"):
-            with (
-                contextlib.suppress(FileNotFoundError, ProcessLookupError),
-                open(f"{proc}/task/{tid}/children") as f,
-            ):
-                pids.extend(int(p) for p in f.read().split())
-    return pids
 
 
 def reap_all() -> None:

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 
 class ToolError(Exception):
-    """The tool ran and failed (file not found, old_string not unique...): status ``error``."""
+    """The tool ran and failed (file not found, old_string not unique...): status ``error``.
+
+    ``code`` is the errno name (``"ENOENT"``) when an OS error is the cause: integrations map it
+    to their own exceptions, never the message, which names the caller's path.
+    """
 
     status = "error"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Denied(ToolError):

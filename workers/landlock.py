@@ -30,6 +30,8 @@ import functools
 import os
 import stat
 
+from sandbx_pool.workers import _libc
+
 # The generic syscall numbers: the same on every architecture since Linux 5.13.
 _SYS_CREATE_RULESET = 444
 _SYS_ADD_RULE = 445
@@ -85,27 +87,11 @@ class _PathBeneathAttr(ctypes.Structure):
     _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
-
-
-def _call(what: str, *args: object) -> int:
-    # syscall(2) reads every argument as a long: pass ints as such, not as 32-bit C ints.
-    wide = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
-    ctypes.set_errno(0)
-    result = int(_syscall(*wide))
-    if result < 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"{what}: {os.strerror(code)}")
-    return result
-
-
 @functools.cache
 def abi_version() -> int:
     """The kernel's Landlock ABI version; 0 when Landlock is absent or disabled at boot."""
     try:
-        return _call(
+        return _libc.syscall(
             "landlock_create_ruleset", _SYS_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION
         )
     except OSError:  # ENOSYS (not built in) or EOPNOTSUPP (not enabled in lsm=)
@@ -171,7 +157,9 @@ class Ruleset:
         attr = _RulesetAttr(self.handled_fs, self.handled_net, self.scoped)
         # The size tells the kernel which fields we know; older kernels refuse a larger one.
         size = 24 if has_scoping(self.abi) else 16 if has_net_rules(self.abi) else 8
-        self.fd = _call("landlock_create_ruleset", _SYS_CREATE_RULESET, ctypes.byref(attr), size, 0)
+        self.fd = _libc.syscall(
+            "landlock_create_ruleset", _SYS_CREATE_RULESET, ctypes.byref(attr), size, 0
+        )
 
     @classmethod
     def adopt(cls, fd: int) -> Ruleset:
@@ -199,7 +187,7 @@ class Ruleset:
         rights = beneath.rights & self.handled_fs
         if rights:
             attr = _PathBeneathAttr(rights, beneath.fd)
-            _call(
+            _libc.syscall(
                 "landlock_add_rule",
                 _SYS_ADD_RULE,
                 self.fd,
@@ -215,7 +203,7 @@ class Ruleset:
         already exist keep their access, and children are forked from this one.
         """
         try:
-            _call("landlock_restrict_self", _SYS_RESTRICT_SELF, self.fd, 0)
+            _libc.syscall("landlock_restrict_self", _SYS_RESTRICT_SELF, self.fd, 0)
         finally:
             self.close()
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 import os
 
-from workers.errors import Denied
-from workers.protocol import ExecutionContext
+from sandbx_pool.workers.errors import Denied
+from sandbx_pool.workers.protocol import ExecutionContext
 
 
 @functools.lru_cache(maxsize=8)

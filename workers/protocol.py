@@ -94,6 +94,8 @@ class Result(Message, tag="result"):
     error: str | None = None
     limit: str | None = None
     secret: str = ""
+    #: The errno name (``"ENOENT"``) behind an ``error``, when an OS error was its cause.
+    error_code: str | None = None
 
 
 WorkerMessage = Ready | Result

@@ -26,9 +26,9 @@ import sys
 
 import msgspec
 
-from workers import landlock
-from workers.containment import set_parent_death_signal
-from workers.protocol import ExecutionContext, Sandbox
+from sandbx_pool.workers import landlock
+from sandbx_pool.workers.containment import set_parent_death_signal
+from sandbx_pool.workers.protocol import ExecutionContext, Sandbox
 
 SYSTEM_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 #: Devices any command may open: reading and writing them reaches no file.

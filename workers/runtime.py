@@ -4,8 +4,8 @@
     -> confine (workers.sandbox) -> apply limits
     -> run the tool -> kill whatever the tool left running -> send Result -> exit
 
-The worker's ZeroMQ connection (workers.zmtp: a DEALER speaking ZMTP itself, no libzmq
-context and so no threads) is made here, after the fork: nothing of it crosses a fork.
+The worker's ZeroMQ connection (workers.zmtp: a DEALER speaking ZMTP itself, no libzmq context
+and so no threads) is made here, after the fork: nothing of it crosses a fork.
 It never decides a cancel or a timeout itself: the coordinator kills its process group. The one
 kill it decides is an output overflow, which it records in the Result before killing.
 """
@@ -24,9 +24,9 @@ from typing import Any
 
 import msgspec
 
-from workers import containment, sandbox, zmtp
-from workers.errors import LimitExceeded, ToolError
-from workers.protocol import (
+from sandbx_pool.workers import containment, sandbox, zmtp
+from sandbx_pool.workers.errors import LimitExceeded, ToolError
+from sandbx_pool.workers.protocol import (
     MAX_MESSAGE_BYTES,
     Call,
     ExecutionContext,
@@ -36,9 +36,9 @@ from workers.protocol import (
     call_decoder,
     encoder,
 )
-from workers.rules import FileRules
-from workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
-from workers.tools import WORKER_ACTIONS
+from sandbx_pool.workers.rules import FileRules
+from sandbx_pool.workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
+from sandbx_pool.workers.tools import WORKER_ACTIONS
 
 #: Exit status of an idle worker that will never get a call: its template died, or its
 #: coordinator hung up or stopped answering.
@@ -88,8 +88,7 @@ def apply_limits(limits: Limits) -> None:
             _, hard = resource.getrlimit(which)
             if which == resource.RLIMIT_AS:
                 # The soft limit only, so that relax_limits() can give the worker back the
-                # room its own teardown needs: ZeroMQ's threads allocate as they exit, glibc
-                # aborts the process when they cannot, and the Result would be lost.
+                # room it needs to build and send the Result after the tool used it all up.
                 new_hard = hard
             else:
                 # CPU: the hard limit a second later, so that SIGXCPU (the soft limit, which
@@ -123,15 +122,15 @@ def run_call(call: Call) -> Result:
             args = parse_args(call.tool, call.args, internal=True)
             value: dict[str, Any] = WORKER_ACTIONS[call.tool](args, ctx)
         finally:
-            # Before anything else allocates: building the Result and handing it to ZeroMQ must
-            # not fail under a limit the tool used up.
+            # Before anything else allocates: building the Result and sending it must not fail
+            # under a limit the tool used up.
             relax_limits(ctx.limits)
     except (UnknownTool, msgspec.ValidationError) as exc:
         return Result(call_id=ctx.call_id, status="error", error=f"bad arguments: {exc}")
     except LimitExceeded as exc:
         return Result(call_id=ctx.call_id, status="error", error=str(exc), limit=exc.limit)
     except ToolError as exc:
-        return Result(call_id=ctx.call_id, status=exc.status, error=str(exc))
+        return Result(call_id=ctx.call_id, status=exc.status, error=str(exc), error_code=exc.code)
     except MemoryError:
         return Result(
             call_id=ctx.call_id,

@@ -41,16 +41,16 @@ its domain.
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import errno
 import os
 
 import msgspec
 
-from workers import landlock
-from workers.containment import in_own_pid_namespace
-from workers.errors import ToolError
-from workers.protocol import Call, ExecutionContext, Sandbox
-from workers.rules import (
+from sandbx_pool.workers import _libc, landlock
+from sandbx_pool.workers.containment import in_own_pid_namespace
+from sandbx_pool.workers.errors import ToolError
+from sandbx_pool.workers.protocol import Call, ExecutionContext, Sandbox
+from sandbx_pool.workers.rules import (
     PROC,
     READ,
     SCOPES,
@@ -61,18 +61,6 @@ from workers.rules import (
     preload,
     within,
 )
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-_PR_CAPBSET_READ = 23
-_PR_CAPBSET_DROP = 24
-_PR_GET_NO_NEW_PRIVS = 39
-_PR_SET_DUMPABLE = 4
-_PR_SET_NO_NEW_PRIVS = 38
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWNET = 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REC, _MS_SLAVE = 1 << 14, 1 << 19
 
 #: Capabilities that programs exec'd by a root worker keep: Docker's default set without MKNOD
 #: (a device node in the workspace would be a door around the filesystem rules), so no
@@ -140,8 +128,10 @@ def rehearse() -> None:
     ctx = ExecutionContext(call_id="", workspace="/", cwd="/", env={"PATH": os.defpath})
     msgspec.structs.replace(ctx, env={**ctx.env, "TMPDIR": os.urandom(8).hex()})
     within("/", _readable(ctx))
-    _prctl(_PR_CAPBSET_READ, 0)  # one call warms the path; the loop itself costs nothing more
-    _prctl(_PR_GET_NO_NEW_PRIVS, 0)
+    _libc.try_prctl(
+        _libc.PR_CAPBSET_READ, 0
+    )  # one call warms the path; the loop itself costs nothing more
+    _libc.try_prctl(_libc.PR_GET_NO_NEW_PRIVS, 0)
     os.path.realpath("/")
     rule = landlock.PathBeneath.open("/", WRITE)
     if rule is not None:
@@ -173,11 +163,11 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
                 # config as fatal (git does); an empty, private one they handle.
                 env["HOME"] = tmpdir
             call = msgspec.structs.replace(call, context=msgspec.structs.replace(ctx, env=env))
-        _check(_prctl(_PR_SET_NO_NEW_PRIVS, 1), "prctl(PR_SET_NO_NEW_PRIVS)")
+        _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
         network_namespace = False
         if runs_programs:
             _private_mounts(box.hidden, [ctx.workspace, ctx.cwd, tmpdir, *box.writable])
-            network_namespace = not box.network and _libc.unshare(_CLONE_NEWNET) == 0
+            network_namespace = not box.network and _libc.try_unshare(_libc.CLONE_NEWNET) == 0
         rulesets = _rulesets(call.context, tmpdir, prepared, network_namespace, runs_programs)
         if runs_programs:
             _drop_capabilities(prepared.last_cap, keep_net_raw=box.network)
@@ -187,7 +177,7 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             os.setuid(box.uid)
         # After setuid, which resets it. Same-user processes lacking CAP_SYS_PTRACE (bash, once
         # the bounding set is dropped) may then neither ptrace us nor open /proc/<us>/mem.
-        _check(_prctl(_PR_SET_DUMPABLE, 0), "prctl(PR_SET_DUMPABLE)")
+        _libc.prctl(_libc.PR_SET_DUMPABLE, 0, what="prctl(PR_SET_DUMPABLE)")
         for ruleset in rulesets:
             ruleset.restrict_self()
     except (OSError, SandboxError) as exc:
@@ -238,31 +228,6 @@ def _remove_contents(dir_fd: int) -> None:
             os.rmdir(name, dir_fd=dir_fd)
 
 
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"{what}: {os.strerror(code)}")
-
-
-def _prctl(option: int, arg: int) -> int:
-    # prctl is variadic and the kernel reads unsigned longs (and wants the unused ones zero).
-    zero = ctypes.c_ulong(0)
-    return int(_libc.prctl(option, ctypes.c_ulong(arg), zero, zero, zero))
-
-
-def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
-    _check(
-        _libc.mount(
-            source.encode(),
-            target.encode(),
-            fstype.encode() if fstype else None,
-            ctypes.c_ulong(flags),
-            data.encode() if data else None,
-        ),
-        f"mount {target}",
-    )
-
-
 def _make_tmpdir(box: Sandbox, call_id: str) -> str | None:
     if box.tmp_root is None:
         return None
@@ -288,34 +253,34 @@ def _private_mounts(hidden: tuple[str, ...], needed: list[str | None]) -> None:
     directory must be out of the namespace, not just out of the rules. Our own ZeroMQ connection
     is up already and does not go through the path again. Skipped where not permitted.
     """
-    if _libc.unshare(_CLONE_NEWNS) != 0:
+    if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
         return  # not root: the doctor reports it
     try:
         # Slave, recursively, first: nothing mounted here may propagate back to the host.
-        _mount("none", "/", None, _MS_REC | _MS_SLAVE, None)
+        _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
     except OSError:
         return  # so we mount nothing at all
-    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
     if in_own_pid_namespace():
         # Refused in some containers (a masked /proc): the host's /proc it is, then.
         with contextlib.suppress(OSError):
-            _mount("proc", "/proc", "proc", flags, None)
+            _libc.mount("proc", "/proc", "proc", flags, None)
     for path in hidden:
         real = os.path.realpath(path)
         if not os.path.isdir(real) or any(n and within(n, [real]) for n in needed):
             continue  # never hide what the call must use
         with contextlib.suppress(OSError):  # the secret and the pid check still hold
-            _mount("sandbx-hidden", real, "tmpfs", flags | _MS_RDONLY, "size=4k,mode=000")
+            _libc.mount("sandbx-hidden", real, "tmpfs", flags | _libc.MS_RDONLY, "size=4k,mode=000")
 
 
 def _drop_capabilities(last_cap: int, *, keep_net_raw: bool) -> None:
     """Shrink the bounding set: what exec'd programs can ever hold. Ours are unchanged."""
     kept = _KEPT_CAPS | ({_CAP_NET_RAW} if keep_net_raw else set())
     for cap in range(last_cap + 1):
-        if cap not in kept and _prctl(_PR_CAPBSET_DROP, cap) != 0:
-            if ctypes.get_errno() == 1:  # EPERM: no CAP_SETPCAP, so not root: nothing to drop
+        if cap not in kept and (code := _libc.try_prctl(_libc.PR_CAPBSET_DROP, cap)) != 0:
+            if code == errno.EPERM:  # no CAP_SETPCAP, so not root: nothing to drop
                 return
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+            raise OSError(code, f"prctl(PR_CAPBSET_DROP): {os.strerror(code)}")
 
 
 def _program_dirs(env: dict[str, str]) -> list[str]:

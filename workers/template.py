@@ -32,10 +32,10 @@ import traceback
 
 import msgspec
 
-import workers.runtime  # preloaded so that each fork starts warm
-import workers.tools
-from workers import bare_fork, containment, immortal, rules, sandbox, zmtp
-from workers.protocol import (
+# runtime, and through it every tool, is imported here so that each fork starts warm.
+from sandbx_pool.workers import bare_fork, containment, immortal, rules, runtime, sandbox, zmtp
+from sandbx_pool.workers.procfs import children
+from sandbx_pool.workers.protocol import (
     Exited,
     PrebuildFileRules,
     Result,
@@ -46,7 +46,7 @@ from workers.protocol import (
     encoder,
     to_template_decoder,
 )
-from workers.schemas import parse_args
+from sandbx_pool.workers.schemas import parse_args
 
 #: How long shutdown waits to reap the workers it killed before leaving the stuck ones behind.
 SHUTDOWN_REAP_S = 2.0
@@ -187,7 +187,7 @@ class Template:
                 os._exit(1)
             if not containment.in_own_pid_namespace():
                 containment.set_child_subreaper()
-            workers.runtime.serve(token, self.endpoint, self.own_pidfd, self.file_rules)
+            runtime.serve(token, self.endpoint, self.own_pidfd, self.file_rules)
         except BaseException:
             # Nobody else can report a worker that broke before it could connect. Whatever
             # happens to the report, never unwind into the template's code.
@@ -222,7 +222,7 @@ class Template:
 
     def sweep_orphans(self) -> None:
         """Subreaper mode: kill what a dead worker's descendants left reparented to us."""
-        for pid in containment.children():
+        for pid in children():
             if pid not in self.workers:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -241,7 +241,7 @@ class Template:
         # dying worker leaves come to us, and leaving before sweeping them would hand them to
         # init, alive.
         self.reap()
-        while containment.children() and (remaining := deadline - time.monotonic()) > 0:
+        while children() and (remaining := deadline - time.monotonic()) > 0:
             if select.select([self.wakeup_read], [], [], remaining)[0]:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self.wakeup_read, 4096)
@@ -290,7 +290,7 @@ def warm_up() -> None:
     encoder.encode(Result(call_id="", status="ok", value={}))
     rules.preload()
     for _ in range(REHEARSALS):
-        workers.runtime.rehearse_call()
+        runtime.rehearse_call()
         sandbox.rehearse()
         zmtp.rehearse()
     immortal.immortalize()
@@ -317,7 +317,7 @@ def parse_options(argv: list[str]) -> dict[str, str]:
         options[name] = value
     if sorted(options) != sorted(OPTIONS) or not all(options.values()):
         flags = " ".join(f"--{name}=..." for name in OPTIONS)
-        raise SystemExit(f"usage: python -m workers.template {flags}")
+        raise SystemExit(f"usage: python -m sandbx_pool.workers.template {flags}")
     return options
 
 

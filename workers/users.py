@@ -11,7 +11,7 @@ import os
 import pwd
 from dataclasses import dataclass
 
-from workers.errors import ToolError
+from sandbx_pool.workers.errors import ToolError
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ worker lives for one call. Measured in a loop of forked workers serving one read
 context, its threads and their teardown cost 3-3.5 ms of the worker's 8-9 ms of CPU and 200
 of its 660 copy-on-write faults, and importing pyzmq added 2 MiB of anonymous memory and 59
 memory mappings to the template, which every fork copies and every exit tears down. A worker
-does one thing at a time: one blocking unix socket and these hundred lines do the job.
+does one thing at a time: one blocking unix socket and this module do the job.
 
 What is implemented is what a DEALER talking to a ROUTER needs: the NULL mechanism (the
 only one the coordinator uses), READY with Socket-Type and Identity, single-frame messages

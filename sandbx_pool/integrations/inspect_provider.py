@@ -40,13 +40,13 @@ from inspect_ai.util import (
     SandboxUserUnsupportedError,
     sandboxenv,
 )
-from loguru import logger
 from pydantic import BaseModel, ConfigDict
 
 from sandbx_pool.config import load_config
+from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.pool import Pool
-from workers.protocol import MAX_MESSAGE_BYTES
+from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES
 
 #: The pool's output cap: the largest file read_file can return in one message (the rest of a
 #: message is framing). Inspect's own read limit (100 MiB) is higher; a file between the two is
@@ -56,13 +56,15 @@ TRANSPORT_BYTES = MAX_MESSAGE_BYTES - 4 * 1024 * 1024
 #: Seconds allowed to the provider's own housekeeping calls (mkdir, rm -rf, writes).
 HOUSEKEEPING_TIMEOUT_S = 120.0
 
-#: Our tools' error messages and the exceptions Inspect expects for them.
-_FILE_ERRORS: tuple[tuple[str, type[OSError], int], ...] = (
-    (" not found", FileNotFoundError, errno.ENOENT),
-    (" is a directory", IsADirectoryError, errno.EISDIR),
-    ("permission denied", PermissionError, errno.EACCES),
-    ("not a directory", NotADirectoryError, errno.ENOTDIR),
-)
+#: The errno names our file tools report (Outcome.error_code) and the exceptions Inspect
+#: expects for them.
+_FILE_ERRORS: dict[str, type[OSError]] = {
+    "ENOENT": FileNotFoundError,
+    "EISDIR": IsADirectoryError,
+    "EACCES": PermissionError,
+    "EPERM": PermissionError,
+    "ENOTDIR": NotADirectoryError,
+}
 
 
 class SandbxConfig(BaseModel):
@@ -212,9 +214,10 @@ def _file_error(outcome: Outcome, file: str) -> OSError:
     message = outcome.error or str(outcome.status)
     if outcome.status is Status.DENIED:
         return PermissionError(errno.EACCES, message, file)
-    for marker, kind, code in _FILE_ERRORS:
-        if marker in message.lower():
-            return kind(code, os.strerror(code), file)
+    kind = _FILE_ERRORS.get(outcome.error_code or "")
+    if kind is not None:
+        code = getattr(errno, outcome.error_code or "")
+        return kind(code, os.strerror(code), file)
     return OSError(errno.EIO, message, file)
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from workers.protocol import ExecutionContext
-from workers.tools.bash import run_bash
-from workers.tools.files import edit_file, list_directory, read_file, write_file
-from workers.tools.recovery import remove_temps
-from workers.tools.search import find_paths, grep_files
+from sandbx_pool.workers.protocol import ExecutionContext
+from sandbx_pool.workers.tools.bash import run_bash
+from sandbx_pool.workers.tools.files import edit_file, list_directory, read_file, write_file
+from sandbx_pool.workers.tools.recovery import remove_temps
+from sandbx_pool.workers.tools.search import find_paths, grep_files
 
 ToolFunction = Callable[[Any, ExecutionContext], dict[str, Any]]
 

@@ -28,9 +28,9 @@ import os
 import stat
 from collections.abc import Iterator
 
-from workers.errors import ToolError
-from workers.paths import check_opened
-from workers.protocol import ExecutionContext
+from sandbx_pool.workers.errors import ToolError
+from sandbx_pool.workers.paths import check_opened
+from sandbx_pool.workers.protocol import ExecutionContext
 
 #: Marks write's temp files: ``.<basename>.sbx-tmp-<random>``.
 TEMP_MARKER = ".sbx-tmp-"
@@ -71,13 +71,13 @@ def replace_in(dir_fd: int, name: str, data: bytes, display: str) -> bool:
     except FileNotFoundError:
         old = None
     if old is not None and stat.S_ISDIR(old.st_mode):
-        raise ToolError(f"{display} is a directory")
+        raise ToolError(f"{display} is a directory", code="EISDIR")
     if old is not None and not stat.S_ISREG(old.st_mode):
         raise ToolError(f"{display} is not a regular file")
     if old is not None and not os.access(name, os.W_OK, dir_fd=dir_fd):
         # Replacing needs only the directory's permission; refuse as open() for writing
         # would, so that a file its writer may not write stays as it is.
-        raise ToolError(f"{display}: permission denied")
+        raise ToolError(f"{display}: permission denied", code="EACCES")
 
     stem = os.fsdecode(os.fsencode(name)[:_MAX_TEMP_STEM])
     temp = f".{stem}{TEMP_MARKER}{os.urandom(4).hex()}"

@@ -29,12 +29,12 @@ import selectors
 import subprocess
 from typing import Any
 
-from workers import users
-from workers.containment import kill_descendants
-from workers.errors import OutputLimitExceeded, ToolError
-from workers.paths import resolve
-from workers.protocol import ExecutionContext
-from workers.schemas import BashArgs
+from sandbx_pool.workers import users
+from sandbx_pool.workers.containment import kill_descendants
+from sandbx_pool.workers.errors import OutputLimitExceeded, ToolError
+from sandbx_pool.workers.paths import resolve
+from sandbx_pool.workers.protocol import ExecutionContext
+from sandbx_pool.workers.schemas import BashArgs
 
 #: Bytes asked of a pipe per read: the pipe's default capacity, so one read usually empties it.
 _READ_BYTES = 64 * 1024

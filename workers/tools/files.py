@@ -4,7 +4,7 @@ Every path goes through ``workers.paths.resolve`` first, so a path that leads ou
 workspace (through ``..`` or a symlink) is ``Denied`` before anything is opened.
 
 write and edit replace a file atomically, under a lock on its directory, and clean up the temp
-files killed writers leave: see ``workers.tools.atomic`` (whose ``TEMP_MARKER`` and
+files killed writers leave: see ``sandbx_pool.workers.tools.atomic`` (whose ``TEMP_MARKER`` and
 ``remove_leftover_temps`` are re-exported here).
 """
 
@@ -16,14 +16,14 @@ import os
 import stat
 from typing import IO, Any
 
-from workers import users
-from workers.errors import LimitExceeded, ToolError
-from workers.paths import check_opened, resolve
-from workers.protocol import ExecutionContext
-from workers.schemas import EditArgs, LsArgs, ReadArgs, WriteArgs
-from workers.tools.atomic import TEMP_MARKER as TEMP_MARKER
-from workers.tools.atomic import locked_directory, replace_in, sweep_leftovers
-from workers.tools.atomic import remove_leftover_temps as remove_leftover_temps
+from sandbx_pool.workers import users
+from sandbx_pool.workers.errors import LimitExceeded, ToolError
+from sandbx_pool.workers.paths import check_opened, resolve
+from sandbx_pool.workers.protocol import ExecutionContext
+from sandbx_pool.workers.schemas import EditArgs, LsArgs, ReadArgs, WriteArgs
+from sandbx_pool.workers.tools.atomic import TEMP_MARKER as TEMP_MARKER
+from sandbx_pool.workers.tools.atomic import locked_directory, replace_in, sweep_leftovers
+from sandbx_pool.workers.tools.atomic import remove_leftover_temps as remove_leftover_temps
 
 #: A file with a NUL byte in its first SNIFF_BYTES is binary (the heuristic git and grep use).
 SNIFF_BYTES = 8 * 1024
@@ -38,20 +38,23 @@ _BUFFER_BYTES = 64 * 1024
 def os_error(path: str, exc: OSError) -> ToolError:
     """The ToolError (or LimitExceeded) reporting ``exc``, naming the caller's ``path``."""
     code = exc.errno
-    if code == errno.ENOENT:
-        return ToolError(f"{path} not found")
-    if code == errno.EISDIR:
-        return ToolError(f"{path} is a directory")
-    if code == errno.ENOTDIR:
-        return ToolError(f"{path}: a component of the path is not a directory")
-    if code in (errno.EACCES, errno.EPERM):
-        return ToolError(f"{path}: permission denied")
+    name = errno.errorcode.get(code) if code is not None else None
     if code == errno.EFBIG:
         # CPython ignores SIGXFSZ, so RLIMIT_FSIZE surfaces here as EFBIG instead of a kill.
         return LimitExceeded("file_size", f"{path}: file size limit exceeded")
     if code in (errno.EMFILE, errno.ENFILE):
         return LimitExceeded("open_files", f"{path}: too many open files")
-    return ToolError(f"{path}: {exc.strerror or exc}")
+    if code == errno.ENOENT:
+        message = f"{path} not found"
+    elif code == errno.EISDIR:
+        message = f"{path} is a directory"
+    elif code == errno.ENOTDIR:
+        message = f"{path}: a component of the path is not a directory"
+    elif code in (errno.EACCES, errno.EPERM):
+        message = f"{path}: permission denied"
+    else:
+        message = f"{path}: {exc.strerror or exc}"
+    return ToolError(message, code=name)
 
 
 def printable(name: str) -> str:
@@ -336,7 +339,7 @@ def list_directory(args: LsArgs, ctx: ExecutionContext) -> dict[str, Any]:
         # O_NONBLOCK: a FIFO at ``real`` fails O_DIRECTORY at once instead of waiting.
         fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
     except NotADirectoryError:
-        raise ToolError(f"{args.path} is not a directory") from None
+        raise ToolError(f"{args.path} is not a directory", code="ENOTDIR") from None
     except OSError as exc:
         raise os_error(args.path, exc) from exc
     try:

@@ -24,8 +24,8 @@ import os
 import re
 from typing import NamedTuple
 
-from workers.tools.files import open_regular
-from workers.tools.globs import translate_parts
+from sandbx_pool.workers.globs import translate_parts
+from sandbx_pool.workers.tools.files import open_regular
 
 #: Bytes read from one .gitignore at most: a pathological one must not cost a whole grep.
 MAX_GITIGNORE_BYTES = 256 * 1024

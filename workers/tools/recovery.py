@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from workers.errors import Denied
-from workers.paths import resolve
-from workers.protocol import ExecutionContext
-from workers.schemas import RemoveTempsArgs
-from workers.tools.atomic import remove_leftover_temps
+from sandbx_pool.workers.errors import Denied
+from sandbx_pool.workers.paths import resolve
+from sandbx_pool.workers.protocol import ExecutionContext
+from sandbx_pool.workers.schemas import RemoveTempsArgs
+from sandbx_pool.workers.tools.atomic import remove_leftover_temps
 
 
 def remove_temps(args: RemoveTempsArgs, ctx: ExecutionContext) -> dict[str, Any]:

@@ -22,13 +22,19 @@ import stat
 from collections.abc import Container, Iterator
 from typing import Any
 
-from workers.errors import ToolError
-from workers.paths import real_workspace, relative_to_workspace, resolve
-from workers.protocol import ExecutionContext
-from workers.schemas import FindArgs, GrepArgs
-from workers.tools.files import SNIFF_BYTES, is_binary, open_regular, os_error, printable
-from workers.tools.gitignore import GitIgnore
-from workers.tools.globs import compile_glob
+from sandbx_pool.workers.errors import ToolError
+from sandbx_pool.workers.globs import compile_glob
+from sandbx_pool.workers.paths import real_workspace, relative_to_workspace, resolve
+from sandbx_pool.workers.protocol import ExecutionContext
+from sandbx_pool.workers.schemas import FindArgs, GrepArgs
+from sandbx_pool.workers.tools.files import (
+    SNIFF_BYTES,
+    is_binary,
+    open_regular,
+    os_error,
+    printable,
+)
+from sandbx_pool.workers.tools.gitignore import GitIgnore
 
 #: grep's max_results when the call gives none.
 DEFAULT_MAX_MATCHES = 1000
@@ -230,7 +236,7 @@ def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
     try:
         walk = TreeWalk(root)
     except NotADirectoryError:
-        raise ToolError(f"{args.path} is not a directory") from None
+        raise ToolError(f"{args.path} is not a directory", code="ENOTDIR") from None
     except OSError as exc:
         raise os_error(args.path, exc) from exc
     found: list[str] = []

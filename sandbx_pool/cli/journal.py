@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
 
-from sandbx_pool.journal_reader import (
+from sandbx_pool.journal.reader import (
     JournalScan,
     JournalStats,
     Latency,
@@ -23,14 +23,14 @@ from sandbx_pool.journal_reader import (
     read_journal,
     stats,
 )
-from sandbx_pool.journal_records import (
+from sandbx_pool.journal.records import (
     IntentRecord,
     JournalRecord,
     OutcomeRecord,
     encoder,
     is_digest,
 )
-from sandbx_pool.outcome import Status
+from sandbx_pool.tables import status_order, text_table
 
 #: Exit code for a journal that cannot be read (argparse uses 2 for usage errors too).
 EXIT_UNREADABLE: Final = 2
@@ -138,20 +138,13 @@ def _cmd_stats(args: argparse.Namespace, scan: JournalScan) -> int:
     return 0
 
 
-def _status_columns(seen: Iterable[str]) -> list[str]:
-    """Known statuses in contract order, then any unknown ones; only those that occur."""
-    present = set(seen)
-    known = [status.value for status in Status if status.value in present]
-    return known + sorted(present - set(known))
-
-
 def format_stats(path: str, summary: JournalStats) -> list[str]:
     lines = [
         f"journal {path}",
         f"{summary.intents} intents, {summary.outcomes} outcomes, {summary.in_doubt} in doubt",
         "",
     ]
-    columns = _status_columns(summary.by_status)
+    columns = status_order(summary.by_status)
     header = ["tool", "calls", *columns, IN_DOUBT]
     rows: list[list[str]] = []
     tools = sorted(set(summary.by_tool) | set(summary.by_tool_status))
@@ -162,31 +155,20 @@ def format_stats(path: str, summary: JournalStats) -> list[str]:
         rows.append([tool, str(calls), *(str(statuses.get(c, 0)) for c in columns), str(doubt)])
     total = [str(summary.by_status.get(c, 0)) for c in columns]
     rows.append(["all", str(summary.intents), *total, str(summary.in_doubt)])
-    lines += _table(header, rows)
+    lines += text_table(header, rows)
     if summary.latency is not None:
         lines += ["", "latency (s)"]
         latency_rows = [["all", *_latency_cells(summary.latency)]]
         latency_rows += [
             [tool, *_latency_cells(value)] for tool, value in summary.latency_by_tool.items()
         ]
-        lines += _table(["tool", "n", "p50", "p90", "p99", "max"], latency_rows)
+        lines += text_table(["tool", "n", "p50", "p90", "p99", "max"], latency_rows)
     return lines
 
 
 def _latency_cells(value: Latency) -> list[str]:
     seconds = [value.p50, value.p90, value.p99, value.max]
     return [str(value.count), *(f"{s:.4f}" for s in seconds)]
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
-        return "  ".join([first, *rest])
-
-    return [line(header), *(line(row) for row in rows)]
 
 
 # -- show ------------------------------------------------------------------------------------

@@ -17,15 +17,15 @@ from collections import Counter, defaultdict
 from typing import Final
 
 import msgspec
-from loguru import logger
 
-from sandbx_pool.journal_records import (
+from sandbx_pool.journal.records import (
     InDoubtRecord,
     IntentRecord,
     JournalRecord,
     OutcomeRecord,
     decoder,
 )
+from sandbx_pool.logs import logger
 
 #: Percentiles reported by ``stats``, as (name, q).
 PERCENTILES: Final = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0))
@@ -155,13 +155,6 @@ def unfinished_writes(records: list[IntentRecord], workspace: str) -> list[str]:
                 record.workspace,
             )
     return paths
-
-
-def completed_call_ids(path: str | os.PathLike[str]) -> set[str]:
-    """Call ids that have an outcome (any status): what ``run --resume`` skips."""
-    return {
-        record.call_id for record in read_journal(path).records if isinstance(record, OutcomeRecord)
-    }
 
 
 def percentile(ordered: list[float], q: float) -> float:

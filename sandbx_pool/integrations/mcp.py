@@ -40,7 +40,6 @@ from importlib import metadata
 from typing import Any, Final
 
 import anyio
-from loguru import logger
 from mcp import types
 from mcp.server import Server, ServerRequestContext
 from mcp.server.stdio import stdio_server
@@ -49,11 +48,12 @@ from mcp.shared.exceptions import MCPError
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import Config
 from sandbx_pool.errors import SandbxPoolError
+from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.pool import Pool
 from sandbx_pool.signals import Stopper, run_until_signalled
 from sandbx_pool.tool_definitions import tool_definitions
-from workers.schemas import TOOL_ARGS
+from sandbx_pool.workers.schemas import TOOL_ARGS
 
 #: Bytes read from stdin at a time; a request line longer than this is assembled from several.
 READ_CHUNK: Final = 64 * 1024

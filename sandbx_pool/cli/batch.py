@@ -18,11 +18,10 @@ import os
 import sys
 from typing import Final
 
-from loguru import logger
-
-from sandbx_pool.batch import BatchFile, BatchFileError, load_batch
+from sandbx_pool.batch.calls import BatchFile, BatchFileError, load_batch
 from sandbx_pool.config import Config, load_config
 from sandbx_pool.errors import ConfigError, SandbxPoolError
+from sandbx_pool.logs import logger
 
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
@@ -105,7 +104,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _finished_before(journal: str | None, *, resume: bool) -> set[str]:
-    from sandbx_pool.batch_run import finished_call_ids
+    from sandbx_pool.batch.run import finished_call_ids
 
     if journal is None or not os.path.exists(journal):
         if resume:
@@ -137,8 +136,8 @@ def _warn_about_arguments(batch: BatchFile) -> None:
 def _run(
     batch: BatchFile, config: Config, workspace: str, journal: str | None, skip: set[str]
 ) -> int:
-    from sandbx_pool.batch_progress import Progress, format_summary, showing
-    from sandbx_pool.batch_run import BatchReport, run_batch
+    from sandbx_pool.batch.progress import Progress, format_summary, showing
+    from sandbx_pool.batch.run import BatchReport, run_batch
     from sandbx_pool.pool import Pool
     from sandbx_pool.signals import Stopper, run_until_signalled
 
@@ -182,7 +181,7 @@ def _run(
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from sandbx_pool.demo import run_demo_command
+    from sandbx_pool.cli.demo import run_demo_command
 
     try:
         config = load_config(args.config)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from workers.errors import ToolError
+from sandbx_pool.workers.errors import ToolError
 
 
 def _translate_class(part: str, start: int) -> tuple[str, int] | None:

@@ -39,7 +39,7 @@ from typing import Any, Final
 import msgspec
 
 from sandbx_pool.errors import SandbxPoolError
-from workers.schemas import TOOL_ARGS, UnknownTool, parse_args
+from sandbx_pool.workers.schemas import TOOL_ARGS, UnknownTool, parse_args
 
 #: The keys a line may have. Anything else is a typo worth stopping for ("timout").
 LINE_KEYS: Final = ("tool", "args", "timeout", "id", "cwd", "after", "meta")

@@ -27,13 +27,12 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Final
 
-from loguru import logger
-
-from sandbx_pool.batch import CallSpec
+from sandbx_pool.batch.calls import CallSpec
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.errors import PoolClosed, SandbxPoolError
-from sandbx_pool.journal_reader import read_journal
-from sandbx_pool.journal_records import OutcomeRecord
+from sandbx_pool.journal.reader import read_journal
+from sandbx_pool.journal.records import OutcomeRecord
+from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.pool import Pool
 

@@ -3,8 +3,8 @@
 The pool journals each call's intent before dispatch (``await intent()``), the worker that took
 it (``started()``) and how it ended (``outcome()``). This module is the facade: it decides how
 durable each record must be, tracks which calls are open, and opens, recovers and closes the
-journal. The thread that encodes, writes and group-commits is ``journal_writer``; the records
-are ``journal_records``; parsing and the in-doubt computation are ``journal_reader``.
+journal. The thread that encodes, writes and group-commits is ``writer``; the records are
+``records``; parsing and the in-doubt computation are ``reader``.
 
 Durability by policy (``JournalSettings.policy``): ALWAYS fsyncs every record, and ``intent()``
 returns after its fsync; SIDE_EFFECTS does so only for the intents of write, edit and bash, and
@@ -25,16 +25,13 @@ import enum
 import fcntl
 import os
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from loguru import logger
-
-from sandbx_pool import journal_reader
 from sandbx_pool.config import JournalPolicy, JournalSettings
 from sandbx_pool.errors import JournalError, JournalLocked
-from sandbx_pool.journal_reader import JournalScan
-from sandbx_pool.journal_records import (
+from sandbx_pool.journal import reader as journal_reader
+from sandbx_pool.journal.reader import JournalScan
+from sandbx_pool.journal.records import (
     InDoubtRecord,
     IntentRecord,
     JournalRecord,
@@ -42,11 +39,10 @@ from sandbx_pool.journal_records import (
     StartedRecord,
     summarize,
 )
-from sandbx_pool.journal_writer import JournalWriter, RecordMaker, Waiter
+from sandbx_pool.journal.writer import JournalWriter, RecordMaker, Waiter
+from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome
-from workers.schemas import SIDE_EFFECT_TOOLS
-
-InDoubtCallback = Callable[[list[IntentRecord]], Awaitable[None]]
+from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
 
 
 class JournalState(enum.IntEnum):
@@ -83,15 +79,13 @@ class Journal:
         cls,
         path: str | os.PathLike[str],
         settings: JournalSettings,
-        *,
-        on_in_doubt: InDoubtCallback | None = None,
     ) -> Journal:
         """Lock the journal, recover it, and start its writer.
 
         Intents the previous coordinator left without an outcome are logged, exposed as
-        ``in_doubt``, passed to ``on_in_doubt`` (the pool removes write/edit temp files through
-        a worker: the coordinator never touches the workspace itself) and then marked as
-        reported, so the next opening lists only the calls in flight at the latest crash.
+        ``in_doubt`` (the pool then removes write/edit temp files through a worker: the
+        coordinator never touches the workspace itself) and marked as reported, so the next
+        opening lists only the calls in flight at the latest crash.
         """
         loop = asyncio.get_running_loop()
         opening = loop.run_in_executor(None, _open_locked, os.fspath(path))
@@ -106,8 +100,6 @@ class Journal:
         journal._log_opened(scan)
         if pending:
             try:
-                if on_in_doubt is not None:
-                    await on_in_doubt(list(pending))
                 for record in pending:
                     journal._put(_in_doubt_maker(record), sync=False)
                 await journal.flush()
@@ -130,11 +122,6 @@ class Journal:
         await asyncio.shield(self._closing)
         # The thread resolved the future as its very last step; this join is immediate.
         self._writer.join()
-
-    @staticmethod
-    def default_path(runtime_dir: str) -> str:
-        """Where a pool journals when given no path: its runtime directory."""
-        return os.path.join(runtime_dir, "journal.jsonl")
 
     # -- records -----------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from sandbx_pool.logs import configure_logging
 from sandbx_pool.tool_definitions import STYLES, tool_definitions
-from workers.schemas import TOOL_ARGS, tool_schemas
+from sandbx_pool.workers.schemas import TOOL_ARGS, tool_schemas
 
 
 def _parse_pairs(tool: str, pairs: list[str]) -> dict[str, Any]:
@@ -71,7 +71,7 @@ def _cmd_call(args: argparse.Namespace) -> int:
 def _cmd_mcp(args: argparse.Namespace) -> int:
     from sandbx_pool.config import load_config
     from sandbx_pool.errors import ConfigError
-    from sandbx_pool.mcp_server import run  # the MCP SDK is imported only for this command
+    from sandbx_pool.integrations.mcp import run  # the MCP SDK is imported only for this command
 
     try:
         config = load_config(args.config)
@@ -82,9 +82,9 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sandbx_pool.batch_commands import add_batch_parsers
-    from sandbx_pool.doctor import add_doctor_parser
-    from sandbx_pool.journal_commands import add_journal_parser
+    from sandbx_pool.cli.batch import add_batch_parsers
+    from sandbx_pool.cli.doctor import add_doctor_parser
+    from sandbx_pool.cli.journal import add_journal_parser
 
     parser = argparse.ArgumentParser(
         prog="sandbx-pool",

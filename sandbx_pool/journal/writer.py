@@ -34,11 +34,11 @@ from collections.abc import Callable
 from typing import Final
 
 import msgspec
-from loguru import logger
 
 from sandbx_pool.config import JournalPolicy, JournalSettings
 from sandbx_pool.errors import JournalError
-from sandbx_pool.journal_records import IntentRecord, JournalRecord, OutcomeRecord, clip, encoder
+from sandbx_pool.journal.records import IntentRecord, JournalRecord, OutcomeRecord, clip, encoder
+from sandbx_pool.logs import logger
 
 #: Most entries the writer takes into one batch. Bounds how long the first waiter of a burst
 #: waits for its fsync while the thread encodes the rest.

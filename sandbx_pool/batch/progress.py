@@ -19,10 +19,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Final, TextIO
 
-from sandbx_pool.batch import CallSpec
-from sandbx_pool.batch_run import BatchReport
-from sandbx_pool.journal_reader import percentile
-from sandbx_pool.outcome import Outcome, Status
+from sandbx_pool.batch.calls import CallSpec
+from sandbx_pool.batch.run import BatchReport
+from sandbx_pool.journal.reader import percentile
+from sandbx_pool.outcome import Outcome
+from sandbx_pool.tables import status_order, text_table
 
 #: A redraw costs a write to the terminal; ten a second looks live and costs nothing.
 TTY_REFRESH_S: Final = 0.1
@@ -32,12 +33,6 @@ PLAIN_STEP: Final = 0.1
 #: ...but no closer than this, so a fast small batch does not print ten lines in a second.
 PLAIN_MIN_GAP_S: Final = 0.5
 BAR_WIDTH: Final = 24
-
-
-def status_order(present: set[str]) -> list[str]:
-    """Statuses in the contract's order, then any unknown ones."""
-    known = [status.value for status in Status if status.value in present]
-    return known + sorted(present - set(known))
 
 
 def format_duration(seconds: float) -> str:
@@ -160,17 +155,6 @@ async def showing(progress: Progress | None) -> AsyncIterator[None]:
         progress.finish()
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
-        return "  ".join([first, *rest]).rstrip()
-
-    return [line(header), *(line(row) for row in rows)]
-
-
 def format_summary(report: BatchReport) -> list[str]:
     """The table printed when a run ends: counts by status and tool, latency, slowest calls."""
     rate = len(report.results) / report.wall_s if report.wall_s > 0 else 0.0
@@ -210,4 +194,4 @@ def _status_table(results: list[tuple[CallSpec, Outcome]]) -> list[str]:
     ]
     totals = [sum(by_tool[t].get(c, 0) for t in by_tool) for c in columns]
     rows.append(["all", str(len(results)), *(str(n) for n in totals)])
-    return _table(["tool", "calls", *columns], rows)
+    return text_table(["tool", "calls", *columns], rows)

@@ -22,9 +22,9 @@ import sys
 import tempfile
 from typing import Any, Final, TextIO
 
-from sandbx_pool.batch import CallSpec, parse_batch
-from sandbx_pool.batch_progress import format_summary
-from sandbx_pool.batch_run import BatchReport, run_batch
+from sandbx_pool.batch.calls import CallSpec, parse_batch
+from sandbx_pool.batch.progress import format_summary
+from sandbx_pool.batch.run import BatchReport, run_batch
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import Config
 from sandbx_pool.outcome import Outcome, Status

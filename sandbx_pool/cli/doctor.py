@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import ctypes.util
 import json
 import os
@@ -24,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from workers import immortal, landlock
+from sandbx_pool.workers import _libc, immortal, landlock
 
 
 class Check(msgspec.Struct, frozen=True):
@@ -36,19 +35,20 @@ class Check(msgspec.Struct, frozen=True):
 
 def _child_probes() -> dict[str, Any]:
     """Run in a disposable child: each probe changes this process for good."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    zero = ctypes.c_ulong(0)
     found: dict[str, Any] = {}
-    found["pid_namespaces"] = libc.unshare(0x20000000) == 0
-    mount_ns = libc.unshare(0x00020000) == 0
+    found["pid_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWPID) == 0
+    mount_ns = _libc.try_unshare(_libc.CLONE_NEWNS) == 0
     # The recursive slave mount is the step the worker cannot do without (see sandbox.py).
-    found["mount_namespaces"] = (
-        mount_ns
-        and libc.mount(b"none", b"/", None, ctypes.c_ulong((1 << 14) | (1 << 19)), None) == 0
-    )
-    found["network_namespaces"] = libc.unshare(0x40000000) == 0
-    found["capability_bounding_set"] = libc.prctl(24, ctypes.c_ulong(16), zero, zero, zero) == 0
-    found["no_new_privs"] = libc.prctl(38, ctypes.c_ulong(1), zero, zero, zero) == 0
+    try:
+        if mount_ns:
+            _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
+        found["mount_namespaces"] = mount_ns
+    except OSError:
+        found["mount_namespaces"] = False
+    found["network_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWNET) == 0
+    # CAP_NET_RAW (13), which a worker drops from its bounding set too.
+    found["capability_bounding_set"] = _libc.try_prctl(_libc.PR_CAPBSET_DROP, 13) == 0
+    found["no_new_privs"] = _libc.try_prctl(_libc.PR_SET_NO_NEW_PRIVS, 1) == 0
     found["landlock_enforced"] = False
     if landlock.abi_version() > 0 and found["no_new_privs"]:
         ruleset = landlock.Ruleset(handled_fs=landlock.READ_FILE)
@@ -62,7 +62,7 @@ def _child_probes() -> dict[str, Any]:
 
 
 def _run_child_probes() -> dict[str, Any]:
-    code = "import json, sandbx_pool.doctor as d; print(json.dumps(d._child_probes()))"
+    code = "import json, sandbx_pool.cli.doctor as d; print(json.dumps(d._child_probes()))"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
@@ -129,7 +129,7 @@ def _peer_pid() -> bool:
     import zmq
 
     from sandbx_pool.inbox import peer_pid
-    from workers.zmtp import connect
+    from sandbx_pool.workers.zmtp import connect
 
     directory = tempfile.mkdtemp(prefix="sandbx-doctor-")
     context = zmq.Context()
