@@ -119,6 +119,11 @@ class SandboxFilesystem(enum.StrEnum):
 
 AbsolutePath = Annotated[str, Meta(pattern="^/")]
 
+#: What a call may not change unless the config says otherwise: a git hook or a git config
+#: (core.hooksPath, core.fsmonitor, aliases...) planted in the workspace runs at the user's next
+#: git command, outside any sandbox.
+DEFAULT_PROTECTED = (".git/hooks/**", ".git/config")
+
 
 class SandboxSettings(_Section):
     """How each worker confines the call it runs (workers/sandbox.py)."""
@@ -128,6 +133,10 @@ class SandboxSettings(_Section):
     writable: list[AbsolutePath] = msgspec.field(default_factory=list)
     network: bool = True
     run_as: str | None = None
+    #: Globs relative to the workspace that no call may change (an empty list: none).
+    protected: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PROTECTED))
+    #: Size of each call's private TMPDIR, in MiB.
+    tmp_size_mb: Annotated[int, Meta(ge=1, le=1 << 20)] = 512
 
     def user(self) -> tuple[int, int, tuple[int, ...]] | None:
         """``run_as`` as (uid, gid, groups); a ConfigError if unknown or if we are not root."""
@@ -155,6 +164,8 @@ class SandboxSettings(_Section):
             uid=user[0] if user else None,
             gid=user[1] if user else None,
             groups=user[2] if user else (),
+            protected=tuple(self.protected),
+            tmp_size_mb=self.tmp_size_mb,
         )
 
 

@@ -49,6 +49,11 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     uid: int | None = None  # run_as: drop to this user (and gid, groups) before the tool runs
     gid: int | None = None
     groups: tuple[int, ...] = ()
+    #: Globs relative to the workspace that no call may change: write and edit are denied,
+    #: bash sees them read-only (a hook or a git config planted would run later, unsandboxed).
+    protected: tuple[str, ...] = ()
+    #: Size of the call's private TMPDIR (a tmpfs of its own where the worker may mount one).
+    tmp_size_mb: int = 512
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
