@@ -14,11 +14,11 @@ import contextlib
 import os
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 
 from sandbx_pool.errors import TemplateLost
+from sandbx_pool.interpreter import CHILD_CWD, python_command
 from sandbx_pool.logs import logger
 from sandbx_pool.workers.protocol import (
     FromTemplate,
@@ -65,16 +65,15 @@ class TemplateProcess:
     def _thread_main(self) -> None:
         try:
             self._process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
+                python_command(
                     "sandbx_pool.workers.template",
                     f"--control-fd={self._child_sock.fileno()}",
                     f"--endpoint={self._endpoint}",
                     f"--parent-pid={os.getpid()}",
-                ],
+                ),
                 pass_fds=[self._child_sock.fileno()],
                 stdin=subprocess.DEVNULL,
+                cwd=CHILD_CWD,
                 # Own session: a Ctrl-C at our terminal reaches us, and we stop calls in order.
                 start_new_session=True,
             )

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from sandbx_pool.interpreter import CHILD_CWD, python_command
 from sandbx_pool.workers import _libc, immortal, landlock
 
 
@@ -62,9 +63,15 @@ def _child_probes() -> dict[str, Any]:
 
 
 def _run_child_probes() -> dict[str, Any]:
-    code = "import json, sandbx_pool.cli.doctor as d; print(json.dumps(d._child_probes()))"
+    # An interpreter of this installation only (sandbx_pool.interpreter says why): the probes
+    # below run as root, and must not import what the current directory holds.
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+        python_command("sandbx_pool.cli.doctor", "--child-probes"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=CHILD_CWD,
     )
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1:] or ["probe failed"]}
@@ -274,3 +281,7 @@ def add_doctor_parser(commands: Any) -> None:
     doctor = commands.add_parser("doctor", help="show which protections this machine enforces")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=run)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--child-probes"]:
+    print(json.dumps(_child_probes()))
