@@ -137,6 +137,8 @@ class SandboxSettings(_Section):
     protected: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PROTECTED))
     #: Size of each call's private TMPDIR, in MiB.
     tmp_size_mb: Annotated[int, Meta(ge=1, le=1 << 20)] = 512
+    #: Commands keep a container's default capabilities and see root's secrets (not by default).
+    keep_root: bool = False
 
     def user(self) -> tuple[int, int, tuple[int, ...]] | None:
         """``run_as`` as (uid, gid, groups); a ConfigError if unknown or if we are not root."""
@@ -166,6 +168,7 @@ class SandboxSettings(_Section):
             groups=user[2] if user else (),
             protected=tuple(self.protected),
             tmp_size_mb=self.tmp_size_mb,
+            keep_root=self.keep_root,
         )
 
 

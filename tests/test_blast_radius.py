@@ -17,16 +17,23 @@ default config, and each protection is checked from the host's side: the command
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ctypes
 import json
 import os
+import shlex
+import stat
 import subprocess
 import sys
+import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import marked_config
+from helpers import pids_with, unique_tag, wait_until
 
 from sandbx_pool import Pool, Status
 
@@ -121,3 +128,212 @@ def test_doctor_probes_run_the_installed_code_only(tmp_path: Path) -> None:
     assert done.returncode in (0, 1), done.stderr
     assert "probe failed" not in done.stdout
     assert not mark.exists(), "a planted module ran"
+
+
+# -- root power ----------------------------------------------------------------------------------
+
+#: System call numbers the attacks make directly (x86_64, aarch64).
+_NR = {
+    "x86_64": {"keyctl": 250, "io_uring_setup": 425, "ptrace": 101},
+    "aarch64": {"keyctl": 219, "io_uring_setup": 425, "ptrace": 117},
+}
+NR = _NR.get(os.uname().machine, {})
+needs_known_arch = pytest.mark.skipif(not NR, reason="syscall numbers known for x86_64, aarch64")
+
+
+def python(code: str) -> str:
+    """A bash command running ``code`` with this test's interpreter (readable by every call)."""
+    return f"{sys.executable} -c {shlex.quote(textwrap.dedent(code))}"
+
+
+def status_fields(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+@needs_root
+async def test_a_command_holds_no_capability_seen_from_the_host(pool: Pool) -> None:
+    tag = unique_tag()
+    call = asyncio.ensure_future(pool.call("bash", {"command": f"exec -a {tag} sleep 60"}))
+    try:
+        await wait_until(lambda: len(pids_with(tag)) == 1)
+        (pid,) = pids_with(tag)
+        fields = status_fields(pid)
+        assert int(fields["Uid"].split()[0]) == 0  # still uid 0: the workspace stays its own
+        for name in ("CapEff", "CapPrm", "CapAmb", "CapInh", "CapBnd"):
+            assert int(fields[name], 16) == 0, f"{name} = {fields[name]}"
+    finally:
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+
+
+@needs_root
+async def test_root_power_is_refused(pool: Pool, workspace: Path) -> None:
+    other = workspace / "others.txt"
+    other.write_text("another user's secret")
+    os.chown(other, 1000, 1000)
+    other.chmod(0o600)
+    attacks = {
+        "packet socket": python("import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)"),
+        "chown": "touch mine && chown 1000 mine",
+        "another uid's 0600 file": "cat others.txt",
+        "uid change": python("import os; os.setuid(1000)"),
+        "shadow": "cat /etc/shadow",
+        "core_pattern": "echo '|/bin/sh' > /proc/sys/kernel/core_pattern",
+    }
+    for what, command in attacks.items():
+        value = await bash(pool, command)
+        assert value["exit_code"] != 0, f"{what}: {value}"
+        assert "another user's secret" not in value["stdout"]
+        assert "root:" not in value["stdout"], f"{what} read /etc/shadow"
+    assert (workspace / "mine").stat().st_uid == 0
+
+
+# -- planted for later ---------------------------------------------------------------------------
+
+
+@needs_root
+async def test_no_setuid_file_or_file_capability_is_left_behind(
+    pool: Pool, workspace: Path
+) -> None:
+    attempts = [
+        "cp /bin/sh a; chmod u+s a",
+        "cp /bin/sh b; chmod g+s b",
+        "cp /bin/sh c; chmod 6755 c",
+        "install -m 4755 /bin/sh d",
+        python("import os; os.close(os.open('e', os.O_CREAT | os.O_WRONLY, 0o4755))"),
+        python("import os; os.mknod('f', 0o104755)"),
+        "mkdir -m 2775 g",
+        python(
+            """
+            import os
+            open('h', 'w').close()
+            # a v2 security.capability granting cap_setuid: what setcap writes
+            value = bytes.fromhex('0000000280000000000000000000000000000000')
+            os.setxattr('h', 'security.capability', value)
+            """
+        ),
+    ]
+    for command in attempts:
+        await pool.call("bash", {"command": command}, timeout=30)
+    for path in await asyncio.to_thread(lambda: list(workspace.rglob("*"))):
+        mode = path.lstat().st_mode
+        assert not (mode & (stat.S_ISUID | stat.S_ISGID) and path.lstat().st_uid == 0), (
+            f"{path.name} is set-id: {oct(mode)}"
+        )
+        assert "security.capability" not in os.listxattr(path, follow_symlinks=False), path.name
+
+
+# -- kernel objects ------------------------------------------------------------------------------
+
+
+@needs_root
+@needs_known_arch
+async def test_kernel_objects_beyond_the_call_are_out_of_reach(pool: Pool) -> None:
+    syscall = "import ctypes, os; libc = ctypes.CDLL(None, use_errno=True)\n"
+    attacks = {
+        # KEYCTL_GET_KEYRING_ID of KEY_SPEC_USER_KEYRING: uid 0's keyring is the host's.
+        "keyring": f"r = libc.syscall({NR['keyctl']}, 0, -4, 0)",
+        "io_uring": f"r = libc.syscall({NR['io_uring_setup']}, 8, ctypes.c_buffer(128))",
+        # PTRACE_ATTACH to the worker, our parent: another capless uid-0 process.
+        "ptrace": f"r = libc.syscall({NR['ptrace']}, 16, os.getppid(), 0, 0)",
+        "user namespace": "os.unshare(os.CLONE_NEWUSER); r = 0",
+    }
+    for what, code in attacks.items():
+        script = syscall + code + "\nprint('refused' if r < 0 else 'allowed', ctypes.get_errno())"
+        value = await bash(pool, python(script))
+        assert value["stdout"].startswith("refused") or value["exit_code"] != 0, (what, value)
+        assert "allowed" not in value["stdout"], what
+
+
+@needs_root
+async def test_sysv_shared_memory_of_the_host_is_out_of_reach(pool: Pool) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = 0x5BC0_0000 + os.getpid() % 0xFFFF
+    shmid = libc.shmget(key, 4096, 0o1000 | 0o600)  # IPC_CREAT, as the host's root would
+    assert shmid >= 0, os.strerror(ctypes.get_errno())
+    try:
+        code = f"import ctypes; print(ctypes.CDLL(None).shmget({key}, 0, 0))"
+        value = await bash(pool, python(code))
+        assert value["stdout"].strip() == "-1", value  # no such segment in the call's namespace
+    finally:
+        libc.shmctl(shmid, 0, None)  # IPC_RMID
+
+
+# -- the call's TMPDIR ---------------------------------------------------------------------------
+
+
+@needs_root
+async def test_tmpdirs_are_private_and_bounded(workspace: Path) -> None:
+    config = marked_config(pool={"workers": 4}, sandbox={"tmp_size_mb": 8})
+    async with Pool(workspace, config=config) as pool:
+        tag = unique_tag()
+        holder = asyncio.ensure_future(
+            pool.call("bash", {"command": f"echo mine > $TMPDIR/{tag}; exec -a {tag} sleep 60"})
+        )
+        try:
+            await wait_until(lambda: len(pids_with(tag)) == 1)
+            snooper = await bash(pool, f"find $TMPDIR/.. 2>/dev/null | grep -c {tag} || true")
+            assert snooper["stdout"].strip() == "0", snooper
+            wiper = await bash(pool, "rm -rf $TMPDIR/../* 2>/dev/null; echo done")
+            assert wiper["stdout"].strip() == "done"
+            filler = await bash(pool, "head -c 20000000 /dev/zero > $TMPDIR/big; echo rc=$?")
+            assert "rc=1" in filler["stdout"], filler  # No space left on device, at 8 MiB
+        finally:
+            holder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await holder
+        # The holder's file was never touched: it sees its own TMPDIR as it left it.
+        again = await bash(pool, "ls $TMPDIR | wc -l")
+        assert again["stdout"].strip() == "0"  # and a new call starts with an empty one
+
+
+# -- protected paths -----------------------------------------------------------------------------
+
+
+@needs_root
+async def test_bash_cannot_change_protected_paths_and_git_still_works(
+    pool: Pool, workspace: Path
+) -> None:
+    git = "git -c user.email=t@example.com -c user.name=t"
+    await bash(pool, f"git init -q . && echo one > a && {git} add a && {git} commit -qm one")
+    config = (workspace / ".git" / "config").read_bytes()
+    attacks = [
+        "printf '#!/bin/sh\\ntouch /tmp/pwned\\n' > .git/hooks/pre-commit",
+        "chmod +x .git/hooks/pre-commit.sample && mv .git/hooks/pre-commit.sample"
+        " .git/hooks/pre-commit",
+        "git config core.hooksPath /tmp",
+        "echo '[core]\\n\\tfsmonitor = touch /tmp/pwned' >> .git/config",
+        "rm -f .git/config",
+        "mv .git/hooks .git/old-hooks",
+        "rm -rf .git/hooks",
+    ]
+    for command in attacks:
+        value = await bash(pool, f"{command}; echo rc=$?")
+        assert "rc=0" not in value["stdout"], (command, value)
+    assert (workspace / ".git" / "config").read_bytes() == config
+    assert not (workspace / ".git" / "hooks" / "pre-commit").exists()
+    assert not (workspace / ".git" / "old-hooks").exists()
+    # What git needs for its work is not protected: the next commit goes through.
+    value = await bash(pool, f"echo two > a && {git} commit -qam two && git log --oneline | wc -l")
+    assert value["stdout"].strip() == "2", value
+
+
+@needs_root
+async def test_protected_paths_can_be_turned_off(workspace: Path) -> None:
+    config = marked_config(pool={"workers": 2}, sandbox={"protected": []})
+    async with Pool(workspace, config=config) as pool:
+        await bash(pool, "git init -q . && echo '# mine' > .git/hooks/pre-commit")
+    assert (workspace / ".git" / "hooks" / "pre-commit").read_text() == "# mine\n"
+
+
+@needs_root
+async def test_a_command_run_as_another_user_holds_nothing_either(pool: Pool) -> None:
+    command = "grep -E '^(Uid|Cap(Eff|Prm|Bnd|Amb)):' /proc/self/status"
+    outcome = await pool.call("bash", {"command": command, "user": "nobody"}, timeout=30)
+    assert outcome.status is Status.OK, outcome
+    value = outcome.value or {}
+    fields = dict(line.split(":\t") for line in value["stdout"].splitlines())
+    assert fields.pop("Uid").split()[0] != "0"
+    assert all(int(v, 16) == 0 for v in fields.values()), fields

@@ -23,12 +23,18 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_CAPBSET_READ = 23
 PR_CAPBSET_DROP = 24
+PR_GET_SECUREBITS = 27
+PR_SET_SECUREBITS = 28
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 PR_GET_NO_NEW_PRIVS = 39
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
 
 # Namespace flags of unshare(2) and setns(2).
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 
@@ -37,8 +43,16 @@ MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_BIND = 4096
 MS_REC = 1 << 14
 MS_SLAVE = 1 << 19
+MNT_DETACH = 2
+
+# mount_setattr(2): a generic syscall number, the same on every architecture.
+_SYS_MOUNT_SETATTR = 442
+_MOUNT_ATTR_RDONLY = 1
+_AT_FDCWD = -100
+_AT_RECURSIVE = 0x8000
 
 
 def _failed(what: str) -> OSError:
@@ -53,6 +67,15 @@ def try_prctl(option: int, arg: int = 0) -> int:
     if _libc.prctl(option, ctypes.c_ulong(arg), zero, zero, zero) == 0:
         return 0
     return ctypes.get_errno()
+
+
+def prctl_get(option: int) -> int:
+    """The value a prctl ``GET`` option returns (PR_GET_SECUREBITS...)."""
+    zero = ctypes.c_ulong(0)
+    result = int(_libc.prctl(option, zero, zero, zero, zero))
+    if result < 0:
+        raise _failed(f"prctl({option})")
+    return result
 
 
 def prctl(option: int, arg: int = 0, *, what: str = "prctl") -> None:
@@ -77,14 +100,23 @@ def setns(fd: int, nstype: int, *, what: str = "setns") -> None:
 
 def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
     result = _libc.mount(
-        source.encode(),
-        target.encode(),
+        os.fsencode(source),
+        os.fsencode(target),
         fstype.encode() if fstype else None,
         ctypes.c_ulong(flags),
         data.encode() if data else None,
     )
     if result != 0:
         raise _failed(f"mount {target}")
+
+
+def try_syscall(number: int, *args: object) -> int:
+    """syscall(number, *args): 0 when it succeeded, else the errno it failed with."""
+    try:
+        syscall("syscall", number, *args)
+    except OSError as exc:
+        return exc.errno or 0
+    return 0
 
 
 def syscall(what: str, number: int, *args: object) -> int:
@@ -96,3 +128,53 @@ def syscall(what: str, number: int, *args: object) -> int:
     if result < 0:
         raise _failed(what)
     return result
+
+
+def umount(target: str, flags: int = 0) -> None:
+    if _libc.umount2(os.fsencode(target), flags) != 0:
+        raise _failed(f"umount {target}")
+
+
+def set_read_only(path: str, *, recursive: bool) -> None:
+    """Make the mount at ``path`` (and, ``recursive``, every mount beneath it) read-only, in
+    one call (mount_setattr, Linux 5.12): a remount would need each mount's own flags."""
+    # struct mount_attr: attr_set, attr_clr, propagation, userns_fd; all u64.
+    attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY)
+    flags = _AT_RECURSIVE if recursive else 0
+    path_arg = ctypes.c_char_p(os.fsencode(path))
+    syscall(f"mount_setattr {path}", _SYS_MOUNT_SETATTR, _AT_FDCWD, path_arg, flags, attr, 32)
+
+
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class CapData(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint32) for name in ("effective", "permitted", "inheritable")]
+
+
+#: _LINUX_CAPABILITY_VERSION_3: two CapData, the low and the high 32 capabilities.
+CAP_VERSION_3 = 0x20080522
+
+
+def capget() -> tuple[int, int, int]:
+    """This thread's (effective, permitted, inheritable) capability sets, as 64-bit masks."""
+    header, data = CapHeader(CAP_VERSION_3, 0), (CapData * 2)()
+    if _libc.capget(ctypes.byref(header), data) != 0:
+        raise _failed("capget")
+    low, high = data
+    return (
+        low.effective | high.effective << 32,
+        low.permitted | high.permitted << 32,
+        low.inheritable | high.inheritable << 32,
+    )
+
+
+def capset(kept: int = 0) -> None:
+    """Set this thread's effective and permitted sets to ``kept`` (a subset of what it holds:
+    shrinking is always permitted), the inheritable set to nothing."""
+    data = (CapData * 2)(
+        CapData(kept & 0xFFFFFFFF, kept & 0xFFFFFFFF, 0), CapData(kept >> 32, kept >> 32, 0)
+    )
+    if _libc.capset(ctypes.byref(CapHeader(CAP_VERSION_3, 0)), data) != 0:
+        raise _failed("capset")

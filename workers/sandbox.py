@@ -9,18 +9,23 @@ kernel's, set up by the worker itself in two stages::
     connect --> Ready --> Call
     |
     confine(call)           after the Call arrived (the connection is up), before the tool:
-    |   TMPDIR *            a private directory for this call, set in bash's environment
     |   no_new_privs        nothing exec'd gains privileges (setuid bits, file capabilities)
     |   mounts *            a mount namespace of its own: a /proc that shows only the call's
-    |                       processes, an empty mount over the coordinator's socket directory
+    |                       processes, an empty mount over the coordinator's socket directory,
+    |                       root's secrets masked and kernel files read-only (workers.lockdown),
+    |                       a private /dev/shm, the TMPDIRs' parent a tmpfs of the call's own,
+    |                       the protected paths read-only
+    |   TMPDIR *            a private directory for this call, set in bash's environment
+    |   IPC namespace *     SysV and POSIX IPC objects of its own
     |   network = false *   a network namespace of its own
-    |   capabilities *      programs exec'd get a container's default set: no ptrace, no
-    |                       mount, no module loading, no device nodes
+    |   bounding set *      emptied, securebits locked: nothing exec'd gains a capability
     |   run_as              setgroups, setgid, setuid
+    |   capabilities *      the worker's own emptied too (workers.lockdown)
     |   non-dumpable        the worker's memory (the call's secret) is closed to its commands
     |   Landlock            filesystem rules, TCP rules, signal and abstract socket scoping
+    |   seccomp *           the system calls past a capless uid 0 (workers.seccomp)
     v
-    tool --> Result --> release(): remove TMPDIR
+    tool --> Result --> release(): remove TMPDIR (a tmpfs goes with the namespace anyway)
 
     * only for a tool that runs programs (bash): see confine()
 
@@ -41,12 +46,11 @@ its domain.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 
 import msgspec
 
-from sandbx_pool.workers import _libc, landlock
+from sandbx_pool.workers import _libc, landlock, lockdown, seccomp, users
 from sandbx_pool.workers.containment import in_own_pid_namespace
 from sandbx_pool.workers.errors import ToolError
 from sandbx_pool.workers.protocol import Call, ExecutionContext, Sandbox
@@ -61,12 +65,6 @@ from sandbx_pool.workers.rules import (
     preload,
     within,
 )
-
-#: Capabilities that programs exec'd by a root worker keep: Docker's default set without MKNOD
-#: (a device node in the workspace would be a door around the filesystem rules), so no
-#: SYS_PTRACE, SYS_ADMIN, SYS_MODULE, NET_ADMIN... NET_RAW (13) only while the network is on.
-_KEPT_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 29, 31})
-_CAP_NET_RAW = 13
 
 
 class SandboxError(ToolError):
@@ -153,33 +151,51 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
     """
     ctx = call.context
     box = ctx.sandbox
-    tmpdir = _make_tmpdir(box, ctx.call_id) if runs_programs else None
+    tmpdir: str | None = None
+    owner = _tmp_owner(box, call.args)
     try:
-        if tmpdir is not None:
-            env = {**ctx.env, "TMPDIR": tmpdir}
+        _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
+        network_namespace = False
+        if runs_programs:
+            private = _private_mounts(box, ctx, owner, [ctx.workspace, ctx.cwd, *box.writable])
+            tmpdir = _make_tmpdir(box, ctx.call_id, owner)
+            env = {**ctx.env, "TMPDIR": tmpdir} if tmpdir is not None else dict(ctx.env)
             home = env.get("HOME")
-            if box.filesystem == "workspace" and home and not within(home, _readable(ctx)):
+            if (
+                tmpdir
+                and box.filesystem == "workspace"
+                and home
+                and not within(home, _readable(ctx))
+            ):
                 # A HOME the rules make unreadable breaks tools that treat EACCES on their
                 # config as fatal (git does); an empty, private one they handle.
                 env["HOME"] = tmpdir
             call = msgspec.structs.replace(call, context=msgspec.structs.replace(ctx, env=env))
-        _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
-        network_namespace = False
-        if runs_programs:
-            _private_mounts(box.hidden, [ctx.workspace, ctx.cwd, tmpdir, *box.writable])
+            if private:
+                lockdown.new_ipc_namespace()
             network_namespace = not box.network and _libc.try_unshare(_libc.CLONE_NEWNET) == 0
+            if box.keep_root:
+                lockdown.shrink_bounding_set(prepared.last_cap, lockdown.CONTAINER_CAPS)
+            else:
+                lockdown.lock_out_root(prepared.last_cap)
         rulesets = _rulesets(call.context, tmpdir, prepared, network_namespace, runs_programs)
-        if runs_programs:
-            _drop_capabilities(prepared.last_cap, keep_net_raw=box.network)
         if box.uid is not None:
             os.setgroups(list(box.groups))
             os.setgid(box.gid if box.gid is not None else box.uid)
             os.setuid(box.uid)
-        # After setuid, which resets it. Same-user processes lacking CAP_SYS_PTRACE (bash, once
-        # the bounding set is dropped) may then neither ptrace us nor open /proc/<us>/mem.
+        if runs_programs and not box.keep_root:
+            # bash's `user` switches in the command's child, after the fork: the worker keeps
+            # CAP_SETUID and CAP_SETGID for it (the bounding set is empty, so the command,
+            # exec'd as that user, holds nothing).
+            switches = owner is not None and box.uid is None and owner[0] != os.getuid()
+            lockdown.drop_all_capabilities(keep_user_switch=switches)
+        # After setuid, which resets it. Same-user processes (bash, capless) may then neither
+        # ptrace us nor open /proc/<us>/mem.
         _libc.prctl(_libc.PR_SET_DUMPABLE, 0, what="prctl(PR_SET_DUMPABLE)")
         for ruleset in rulesets:
             ruleset.restrict_self()
+        if runs_programs and seccomp.supported():
+            seccomp.install()
     except (OSError, SandboxError) as exc:
         if tmpdir is not None:
             remove_tree(tmpdir)
@@ -228,7 +244,7 @@ def _remove_contents(dir_fd: int) -> None:
             os.rmdir(name, dir_fd=dir_fd)
 
 
-def _make_tmpdir(box: Sandbox, call_id: str) -> str | None:
+def _make_tmpdir(box: Sandbox, call_id: str, owner: Identity | None) -> str | None:
     if box.tmp_root is None:
         return None
     safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in call_id)[:64]
@@ -236,51 +252,114 @@ def _make_tmpdir(box: Sandbox, call_id: str) -> str | None:
     path = os.path.join(box.tmp_root, f"{safe_id}-{os.urandom(8).hex()}")
     try:
         os.mkdir(path, 0o700)
-        if box.uid is not None:
-            os.chown(path, box.uid, box.gid if box.gid is not None else box.uid)
+        if owner is not None:
+            os.chown(path, owner[0], owner[1])
     except OSError as exc:
         raise SandboxError(f"cannot make the call's TMPDIR in {box.tmp_root}: {exc}") from exc
     return path
 
 
-def _private_mounts(hidden: tuple[str, ...], needed: list[str | None]) -> None:
-    """A mount namespace of our own, with a private /proc and the hidden directories covered.
+Identity = tuple[int, int, tuple[int, ...]]  # uid, gid, supplementary groups
+
+
+def _tmp_owner(box: Sandbox, args: object) -> Identity | None:
+    """Who the call's TMPDIR belongs to: bash's ``user``, else ``run_as``, else None (us).
+
+    Given to it here, while the worker may still chown: the command holds no capability.
+    """
+    name = args.get("user") if isinstance(args, dict) else None
+    if isinstance(name, str | int) and not isinstance(name, bool):
+        try:
+            user = users.lookup(str(name))
+        except ToolError as exc:
+            raise SandboxError(str(exc)) from None
+        return user.uid, user.gid, tuple(user.groups)
+    if box.uid is None:
+        return None
+    return box.uid, box.gid if box.gid is not None else box.uid, box.groups
+
+
+def _private_mounts(
+    box: Sandbox, ctx: ExecutionContext, owner: Identity | None, needed: list[str]
+) -> bool:
+    """A mount namespace of our own: a private /proc, the hidden directories covered, root's
+    secrets masked and the kernel's files read-only (workers.lockdown), a private /dev/shm, the
+    call's TMPDIR on a tmpfs of its own, and the protected paths read-only. False where not
+    permitted (not root): the doctor reports it, and the call runs without them.
 
     The host's /proc shows every process, and a root command may read a same-user process's
     /proc/PID/environ even from a Landlock domain (Landlock refuses /proc/PID/mem outside the
     domain, not that): the coordinator's environment is where API keys live. Landlock (up to
     ABI 7) does not mediate connect() on a unix socket path either, so the coordinator's socket
     directory must be out of the namespace, not just out of the rules. Our own ZeroMQ connection
-    is up already and does not go through the path again. Skipped where not permitted.
+    is up already and does not go through the path again.
+
+    The TMPDIRs' parent (``tmp_root``, the pool's scratch directory) gets a tmpfs of this call's
+    own, of ``tmp_size_mb``: the call sees no other call's TMPDIR (nor they its), cannot fill
+    the disk the journal is on, and leaves nothing behind when its namespace goes.
     """
     if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
-        return  # not root: the doctor reports it
+        return False
     try:
         # Slave, recursively, first: nothing mounted here may propagate back to the host.
         _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
     except OSError:
-        return  # so we mount nothing at all
+        return False  # so we mount nothing at all
     flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
     if in_own_pid_namespace():
         # Refused in some containers (a masked /proc): the host's /proc it is, then.
         with contextlib.suppress(OSError):
             _libc.mount("proc", "/proc", "proc", flags, None)
-    for path in hidden:
+    for path in box.hidden:
         real = os.path.realpath(path)
         if not os.path.isdir(real) or any(n and within(n, [real]) for n in needed):
             continue  # never hide what the call must use
         with contextlib.suppress(OSError):  # the secret and the pid check still hold
             _libc.mount("sandbx-hidden", real, "tmpfs", flags | _libc.MS_RDONLY, "size=4k,mode=000")
+    if not box.keep_root:
+        scratch = box.tmp_root if box.tmp_root and os.path.isdir(box.tmp_root) else "/tmp"
+        lockdown.mask_secrets(scratch)
+    lockdown.read_only_kernel_files()
+    lockdown.private_dev_shm()
+    if box.tmp_root is not None and os.path.isdir(box.tmp_root):
+        uid, gid = owner[:2] if owner is not None else (os.getuid(), os.getgid())
+        options = f"size={box.tmp_size_mb}m,mode=0700,uid={uid},gid={gid}"
+        _libc.mount("sandbx-tmp", box.tmp_root, "tmpfs", _libc.MS_NOSUID | _libc.MS_NODEV, options)
+    protect(ctx.workspace, box.protected)
+    return True
 
 
-def _drop_capabilities(last_cap: int, *, keep_net_raw: bool) -> None:
-    """Shrink the bounding set: what exec'd programs can ever hold. Ours are unchanged."""
-    kept = _KEPT_CAPS | ({_CAP_NET_RAW} if keep_net_raw else set())
-    for cap in range(last_cap + 1):
-        if cap not in kept and (code := _libc.try_prctl(_libc.PR_CAPBSET_DROP, cap)) != 0:
-            if code == errno.EPERM:  # no CAP_SETPCAP, so not root: nothing to drop
-                return
-            raise OSError(code, f"prctl(PR_CAPBSET_DROP): {os.strerror(code)}")
+def protect(workspace: str, patterns: tuple[str, ...]) -> list[str]:
+    """Bind each protected path that exists read-only onto itself (in our mount namespace).
+
+    A pattern is bound at its fixed prefix, the components before the first wildcard:
+    ``.git/hooks/**`` makes ``.git/hooks`` read-only, hooks to come included; ``.git/config``
+    is the file itself. A read-only bind cannot be removed, renamed over or unmounted without
+    CAP_SYS_ADMIN, so the command gets EROFS or EBUSY. A pattern with no fixed prefix
+    (``*.pem``) would cover the whole workspace: only the write and edit tools enforce it. A
+    protected path that does not exist when the call starts (a repository the call itself
+    creates) is not covered during that call. Returns the paths made read-only.
+    """
+    root = os.path.realpath(workspace)
+    covered: list[str] = []
+    for pattern in patterns:
+        fixed = []
+        for part in pattern.strip("/").split("/"):
+            if any(c in part for c in "*?["):
+                break
+            fixed.append(part)
+        if not fixed:
+            continue
+        path = os.path.realpath(os.path.join(root, *fixed))
+        if path == root or not within(path, [root]) or not os.path.lexists(path):
+            continue
+        try:
+            _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)
+            _libc.set_read_only(path, recursive=True)
+        except OSError:
+            continue
+        covered.append(path)
+    return covered
 
 
 def _program_dirs(env: dict[str, str]) -> list[str]:

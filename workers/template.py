@@ -33,7 +33,17 @@ import traceback
 import msgspec
 
 # runtime, and through it every tool, is imported here so that each fork starts warm.
-from sandbx_pool.workers import bare_fork, containment, immortal, rules, runtime, sandbox, zmtp
+from sandbx_pool.workers import (
+    bare_fork,
+    containment,
+    immortal,
+    lockdown,
+    rules,
+    runtime,
+    sandbox,
+    seccomp,
+    zmtp,
+)
 from sandbx_pool.workers.procfs import children
 from sandbx_pool.workers.protocol import (
     Exited,
@@ -289,6 +299,8 @@ def warm_up() -> None:
         parse_args(tool, args)
     encoder.encode(Result(call_id="", status="ok", value={}))
     rules.preload()
+    lockdown.prepare()
+    seccomp.prepare()
     for _ in range(REHEARSALS):
         runtime.rehearse_call()
         sandbox.rehearse()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes.util
+import errno
 import json
 import os
 import shutil
@@ -23,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool.interpreter import CHILD_CWD, python_command
-from sandbx_pool.workers import _libc, immortal, landlock
+from sandbx_pool.interpreter import CHILD_CWD, PACKAGE_PARENT, python_command
+from sandbx_pool.workers import _libc, immortal, landlock, lockdown, seccomp
 
 
 class Check(msgspec.Struct, frozen=True):
@@ -47,9 +48,24 @@ def _child_probes() -> dict[str, Any]:
     except OSError:
         found["mount_namespaces"] = False
     found["network_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWNET) == 0
-    # CAP_NET_RAW (13), which a worker drops from its bounding set too.
-    found["capability_bounding_set"] = _libc.try_prctl(_libc.PR_CAPBSET_DROP, 13) == 0
+    found["ipc_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWIPC) == 0
+    if found["mount_namespaces"]:
+        found.update(_mount_probes())
     found["no_new_privs"] = _libc.try_prctl(_libc.PR_SET_NO_NEW_PRIVS, 1) == 0
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            lockdown.lock_out_root(int(f.read()))
+        lockdown.drop_all_capabilities()
+        found["root_locked_out"] = os.geteuid() != 0 or (
+            _libc.prctl_get(_libc.PR_GET_SECUREBITS) != 0 and not any(_libc.capget())
+        )
+    except OSError:
+        found["root_locked_out"] = False
+    found["seccomp"] = False
+    if seccomp.supported() and found["no_new_privs"]:
+        seccomp.install()
+        # keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_KEYRING): the filter must refuse it.
+        found["seccomp"] = _libc.try_syscall(seccomp.number("keyctl"), 0, -4, 0) == errno.EPERM
     found["landlock_enforced"] = False
     if landlock.abi_version() > 0 and found["no_new_privs"]:
         ruleset = landlock.Ruleset(handled_fs=landlock.READ_FILE)
@@ -59,6 +75,29 @@ def _child_probes() -> dict[str, Any]:
                 pass
         except PermissionError:
             found["landlock_enforced"] = True
+    return found
+
+
+def _mount_probes() -> dict[str, bool]:
+    """In the probe child's own mount namespace: what bash's worker mounts (sandbox.py)."""
+    found: dict[str, bool] = {}
+    scratch = tempfile.mkdtemp(prefix="sandbx-doctor-")
+    try:
+        lockdown.mask_secrets(scratch)
+        found["secrets_masked"] = not os.path.exists("/etc/shadow") or (
+            os.stat("/etc/shadow").st_size == 0 and os.stat("/etc/shadow").st_mode & 0o777 == 0
+        )
+    except OSError:
+        found["secrets_masked"] = False
+    try:
+        _libc.mount("sandbx-tmp", scratch, "tmpfs", _libc.MS_NOSUID, "size=1m")
+        _libc.set_read_only(scratch, recursive=True)
+        found["private_tmpdir"] = found["read_only_binds"] = True
+    except OSError:
+        found["private_tmpdir"] = found["read_only_binds"] = False
+    with contextlib.suppress(OSError):
+        _libc.umount(scratch, _libc.MNT_DETACH)
+    os.rmdir(scratch)
     return found
 
 
@@ -213,10 +252,50 @@ def diagnose() -> list[Check]:
             "Landlock cannot be used either",
         ),
         Check(
-            "capability bounding set",
-            bool(child.get("capability_bounding_set")),
-            "commands run with a container's default capabilities (no ptrace, mount, modules)",
-            "not root: commands have no capabilities anyway",
+            "no root power",
+            bool(child.get("root_locked_out")),
+            "commands run with no capability (CapEff, CapPrm, CapBnd empty; securebits locked):"
+            " no raw sockets, chown, DAC override, uid change",
+            "commands keep the worker's capabilities",
+        ),
+        Check(
+            "seccomp filter",
+            bool(child.get("seccomp")),
+            "no io_uring, ptrace, keyrings, user namespaces, packet sockets, set-uid files"
+            " (workers/seccomp.py)",
+            "not x86_64/aarch64 or no seccomp: those system calls stay open",
+        ),
+        Check(
+            "IPC namespaces",
+            bool(child.get("ipc_namespaces")),
+            "each bash call has SysV shared memory, semaphores and queues of its own",
+            "calls share the host's SysV IPC objects",
+        ),
+        Check(
+            "root's secrets masked",
+            bool(child.get("secrets_masked")),
+            "/etc/shadow, sudoers, ssh host keys, block devices read as empty in bash's mounts",
+            "a command running as root reads /etc/shadow (it owns it)",
+        ),
+        Check(
+            "private TMPDIR",
+            bool(child.get("private_tmpdir")),
+            "each bash call's TMPDIR is a tmpfs of its own ([sandbox] tmp_size_mb), invisible to"
+            " other calls",
+            "a 0700 directory on the pool's scratch disk, unbounded",
+        ),
+        Check(
+            "protected paths",
+            bool(child.get("read_only_binds")),
+            "[sandbox] protected: write/edit denied, read-only in bash (mount_setattr)",
+            "write/edit denied; bash can still change them",
+        ),
+        Check(
+            "installed code only",
+            True,
+            "the template and probes run python -I from this installation "
+            f"({PACKAGE_PARENT}), never the caller's directory",
+            "",
         ),
         Check(
             "root",

@@ -117,6 +117,11 @@ def _key(settings: SandbxConfig) -> str:
 
 async def _open_task(settings: SandbxConfig) -> _Task:
     config = load_config(settings.pool_config).override(calls={"max_output_bytes": TRANSPORT_BYTES})
+    # The local provider's semantics, which this provider follows: the host as the samples'
+    # filesystem and root over it (Inspect's own suite adds users with adduser; the provider
+    # chowns each sample's directory to its user). Commands keep a container's capabilities,
+    # not the host's all; a sample given a `user` runs as that user, with none.
+    config = config.override(sandbox={"keep_root": True})
     pool = Pool(
         settings.workspace, workers=settings.workers, journal=settings.journal, config=config
     )

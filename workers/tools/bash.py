@@ -71,6 +71,8 @@ def _identity(name: str, env: dict[str, str]) -> tuple[dict[str, Any], dict[str,
     """Popen's user/group/extra_groups for ``name`` (or a uid), and env as runuser sets it."""
     user = users.lookup(name)
     switched = {**env, "HOME": user.home, "USER": user.name, "LOGNAME": user.name}
+    if (os.geteuid(), os.getegid()) == (user.uid, user.gid):
+        return {}, switched  # the confinement switched the worker already (workers.sandbox)
     tmpdir = env.get("TMPDIR")
     if tmpdir and os.geteuid() == 0:
         # The call's private TMPDIR was made for the worker's user; hand it to the command's.

@@ -1,0 +1,173 @@
+"""What a command run as uid 0 loses: every capability, and what root owns without one.
+
+bash's worker applies these in ``sandbox.confine``, inside the call's own mount namespace::
+
+    mask_secrets           an empty, mode-0, read-only file (or directory) over each secret
+    read_only_kernel_files /proc/sys, /sys...: root owns them, and writing needs no capability
+    private_dev_shm        a tmpfs of its own on /dev/shm (POSIX shm is not an IPC namespace's)
+    new_ipc_namespace      SysV shm, semaphores and message queues of its own
+    lock_out_root          securebits locked, the bounding set empty (while still root)
+    ...run_as...
+    drop_all_capabilities  ambient, effective, permitted, inheritable all empty
+    (then workers.seccomp: the system calls that reach past a capless uid 0)
+
+Why not a user namespace mapping the call to an unprivileged uid: the workspace's files belong
+to the pool's user (root here), and a command must keep writing them, running git in them and
+installing packages into its TMPDIR as it does today. A capless uid 0 keeps exactly that: the
+owner's rights over root's files, and nothing of root's power (no DAC override, no chown to
+another uid, no raw sockets, no uid change, no mount, no module). What ownership still gives it
+is closed here: secrets root owns (/etc/shadow), kernel files root owns (core_pattern: the
+kernel runs its pipe as full root), block devices (a raw disk holds every file's content).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import os
+import stat
+from collections.abc import Iterable
+
+from sandbx_pool.workers import _libc
+
+#: Files only root may read, which a capless uid 0 reads anyway: it owns them.
+SECRETS = (
+    "/etc/shadow",
+    "/etc/shadow-",
+    "/etc/gshadow",
+    "/etc/gshadow-",
+    "/etc/sudoers",
+    "/etc/sudoers.d",
+    "/etc/ssh/ssh_host_*_key",
+)
+#: Device nodes guarded by their mode, not by a capability: a capless owner opens them.
+#: ``masks()`` adds every block device.
+DEVICES = ("/dev/userfaultfd", "/dev/kvm", "/dev/loop-control", "/dev/cpu_dma_latency")
+#: Writable by uid 0 with no capability: core_pattern is a way out (the kernel runs its pipe as
+#: full root), cgroup.procs a way out of the process limit, binfmt_misc another way out.
+READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs", "/sys")
+
+#: NOROOT (exec as uid 0 grants no capability), NO_SETUID_FIXUP (uid changes touch none),
+#: KEEP_CAPS off, NO_CAP_AMBIENT_RAISE: each with its _LOCKED bit, so nothing undoes them.
+_SECUREBITS = 0b1110_1111
+_CAP_SETGID = 6
+_CAP_SETUID = 7
+_CAP_SETPCAP = 8
+
+
+def masks() -> list[str]:
+    """SECRETS, DEVICES and every block device's node, as globs."""
+    try:  # one directory read, not a stat of every node in /dev
+        blocks = sorted(f"/dev/{name}" for name in os.listdir("/sys/class/block"))
+    except OSError:
+        blocks = []
+    return [*SECRETS, *DEVICES, *blocks]
+
+
+def prepare() -> None:
+    """In the template, before forking: what every worker would otherwise look up again."""
+    for pattern in masks():
+        glob.glob(pattern)
+
+
+def mask_secrets(scratch: str) -> list[str]:
+    """Cover each existing ``masks()`` path with an empty, mode-0, read-only file or directory:
+    a capless uid 0 can neither open it (no CAP_DAC_OVERRIDE), chmod it (EROFS) nor unmount it
+    (no CAP_SYS_ADMIN). ``scratch``, a directory briefly covered in this namespace only, holds
+    the two masks. Returns the paths covered. Only in a mount namespace of the call's own."""
+    targets: dict[str, int] = {}
+    try:
+        # Each target is held open (O_PATH) and mounted on through /proc/self/fd: the scratch
+        # tmpfs cannot hide it, nor a symlink swapped in meanwhile redirect the mask.
+        for pattern in masks():
+            for path in sorted(glob.glob(pattern)):
+                with contextlib.suppress(OSError):  # a dangling symlink: nothing behind it
+                    targets[path] = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        if targets:
+            _bind_masks(scratch, targets.values())
+    finally:
+        for fd in targets.values():
+            os.close(fd)
+    return list(targets)
+
+
+def _bind_masks(scratch: str, fds: Iterable[int]) -> None:
+    # A tmpfs of our own holds the masks: not a host file, which its owner (root: us) could
+    # chmod. Bind mounts copy its read-only flag and keep it alive once it is detached from the
+    # scratch directory, which then shows what it did before.
+    flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
+    _libc.mount("mask", scratch, "tmpfs", flags, "size=4k,mode=000")
+    try:
+        os.close(os.open(f"{scratch}/file", os.O_CREAT | os.O_WRONLY, 0))
+        os.mkdir(f"{scratch}/dir", 0)
+        _libc.set_read_only(scratch, recursive=False)
+        for fd in fds:
+            mask = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+            _libc.mount(f"{scratch}/{mask}", f"/proc/self/fd/{fd}", None, _libc.MS_BIND, None)
+    finally:
+        _libc.umount(scratch, _libc.MNT_DETACH)
+
+
+def read_only_kernel_files() -> None:
+    """Make each READ_ONLY path, and every mount beneath it (binfmt_misc, cgroups), read-only."""
+    for path in READ_ONLY:
+        if os.path.exists(path):
+            _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)
+            _libc.set_read_only(path, recursive=True)
+
+
+def private_dev_shm() -> None:
+    if os.path.isdir("/dev/shm"):
+        flags = _libc.MS_NOSUID | _libc.MS_NODEV
+        _libc.mount("shm", "/dev/shm", "tmpfs", flags, "mode=1777,size=64m")
+
+
+def new_ipc_namespace() -> None:
+    """SysV shm, semaphores, message queues and POSIX mqueues of our own: a capless uid 0 owns,
+    so may attach, every 0600 segment root made on the host."""
+    _libc.unshare(_libc.CLONE_NEWIPC, what="unshare(CLONE_NEWIPC)")
+
+
+#: What ``keep_root`` leaves bash: Docker's default set without MKNOD and NET_RAW (no device
+#: nodes to get around the filesystem rules, no packet sockets), so no SYS_PTRACE, SYS_ADMIN,
+#: SYS_MODULE, NET_ADMIN...
+CONTAINER_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 29, 31})
+
+
+def shrink_bounding_set(last_cap: int, keep: frozenset[int]) -> None:
+    """Drop every capability but ``keep`` from the bounding set (what exec'd programs can hold)."""
+    for cap in range(last_cap + 1):
+        if cap in keep:
+            continue
+        code = _libc.try_prctl(_libc.PR_CAPBSET_DROP, cap)
+        if code == errno.EPERM:  # no CAP_SETPCAP, so not root: nothing to drop
+            return
+        if code not in (0, errno.EINVAL):  # EINVAL: a capability this kernel lacks
+            raise OSError(code, f"prctl(PR_CAPBSET_DROP, {cap}): {os.strerror(code)}")
+
+
+def lock_out_root(last_cap: int) -> None:
+    """While still root: an empty bounding set (nothing exec'd ever gains a capability) and
+    locked securebits (exec as uid 0 grants none, a uid change restores none). Needs
+    CAP_SETPCAP: without it (a pool not run as root) there is nothing to lock out."""
+    if not _libc.capget()[0] >> _CAP_SETPCAP & 1:
+        return
+    if _libc.prctl_get(_libc.PR_GET_SECUREBITS) != _SECUREBITS:
+        _libc.prctl(_libc.PR_SET_SECUREBITS, _SECUREBITS, what="prctl(PR_SET_SECUREBITS)")
+    shrink_bounding_set(last_cap, frozenset())
+
+
+def drop_all_capabilities(*, keep_user_switch: bool = False) -> None:
+    """Empty the ambient, effective, permitted and inheritable sets (after run_as's setuid,
+    which needed CAP_SETUID), and check that nothing else is left.
+
+    ``keep_user_switch`` keeps CAP_SETUID and CAP_SETGID in the worker's own sets, for a command
+    started as another user (bash's ``user``): the child switches after the fork, and execs as
+    that user with an empty bounding set, so the command holds none of them.
+    """
+    _libc.prctl(_libc.PR_CAP_AMBIENT, _libc.PR_CAP_AMBIENT_CLEAR_ALL, what="prctl(PR_CAP_AMBIENT)")
+    kept = 1 << _CAP_SETGID | 1 << _CAP_SETUID if keep_user_switch else 0
+    _libc.capset(kept)
+    if _libc.capget() != (kept, kept, 0):
+        raise OSError(errno.EPERM, "capabilities remain after capset")
