@@ -54,6 +54,9 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     protected: tuple[str, ...] = ()
     #: Size of the call's private TMPDIR (a tmpfs of its own where the worker may mount one).
     tmp_size_mb: int = 512
+    #: The pool's directory of write locks (workers.tools.atomic), out of every call's reach:
+    #: the file tools' Landlock rules grant it, bash's never do. None: lock the directory.
+    lock_dir: str | None = None
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
