@@ -157,7 +157,8 @@ async def test_a_call_holding_flock_on_a_directory_stalls_no_write(
 SWAPPER = r"""
 import ctypes, os, sys, time
 libc = ctypes.CDLL(None, use_errno=True)
-a, b, stop = (os.fsencode(p) for p in sys.argv[1:4])
+a, b, stop, started = (os.fsencode(p) for p in sys.argv[1:5])
+open(started, "w").close()
 deadline = time.monotonic() + 60
 for i in range(50_000_000):
     if libc.renameat2(-100, a, -100, b, 2) != 0:
@@ -171,8 +172,20 @@ MARKER = "SBX-OUTSIDE-MARKER"
 
 
 @pytest.fixture
-async def pool6(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 6})
+def outside(tmp_path: Path) -> Path:
+    """A directory outside the workspace that the file tools may read, as they may /etc."""
+    path = tmp_path / "outside"
+    path.mkdir()
+    for i in range(20):
+        (path / f"marker-{i:02d}.txt").write_text(f"{MARKER} {i}\n")
+    return path
+
+
+@pytest.fixture
+async def pool6(workspace: Path, outside: Path, tmp_path: Path) -> AsyncIterator[Pool]:
+    # Granted read, like the system's directories: Landlock alone would refuse anything else,
+    # and hide the race (the attack read /etc/shadow).
+    config = marked_config(pool={"workers": 6}, sandbox={"read_only": [str(outside)]})
     async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
         yield p
 
@@ -183,12 +196,8 @@ def leaked(value: dict[str, Any] | None) -> bool:
 
 
 async def test_grep_find_and_ls_never_follow_a_swapped_in_symlink(
-    pool6: Pool, workspace: Path, tmp_path: Path
+    pool6: Pool, workspace: Path, outside: Path
 ) -> None:
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    for i in range(20):
-        (outside / f"marker-{i:02d}.txt").write_text(f"{MARKER} {i}\n")
     tree = workspace / "tree"
     (tree / "real").mkdir(parents=True)
     for i in range(20):
@@ -199,9 +208,10 @@ async def test_grep_find_and_ls_never_follow_a_swapped_in_symlink(
 
     token = CancelToken()
     # The pool's own interpreter: its directories are readable to every call.
-    command = f"{sys.executable} swap.py tree/real tree/link stop"
+    command = f"{sys.executable} swap.py tree/real tree/link stop started"
     swapper = asyncio.create_task(pool6.call("bash", {"command": command}, cancel=token))
     try:
+        await wait_until(lambda: (workspace / "started").exists(), within_s=10)
         calls = [
             ("grep", {"pattern": "SBX-OUTSIDE|inside", "path": "tree"}),
             ("find", {"pattern": "**/*.txt", "path": "tree"}),
