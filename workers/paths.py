@@ -76,6 +76,7 @@ def check_opened(ctx: ExecutionContext, fd: int, path: str) -> None:
 #: How every directory on the way down is opened: never through a symlink (ELOOP instead),
 #: never waiting on a FIFO swapped in (O_DIRECTORY then fails at once).
 DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_PATH = getattr(os, "O_PATH", 0)
 
 
 def open_directory(
@@ -85,14 +86,19 @@ def open_directory(
     one name at a time, each ``O_NOFOLLOW`` relative to the one above: a component swapped for a
     symlink since ``resolve`` is Denied, never followed, whatever it points to.
 
-    With ``ancestors``, the fds of the directories above (the workspace first) are appended to
-    it for the caller to close; otherwise they are closed here. Raises OSError as it comes.
+    With ``ancestors``, the fds of the directories above (the workspace first; O_PATH, good as
+    ``dir_fd`` only) are appended to it for the caller to close; otherwise they are closed
+    here. Raises OSError as it comes.
     """
     rel = os.path.relpath(real, real_workspace(ctx.workspace))
-    fd = os.open(real_workspace(ctx.workspace), DIRECTORY_FLAGS)
-    for name in [] if rel == "." else rel.split(os.sep):
+    names = [] if rel == "." else rel.split(os.sep)
+    # The directories on the way are opened O_PATH: that needs search permission only, as a
+    # path lookup does (a call may run as a user who may not list them); the last one is read.
+    fd = os.open(real_workspace(ctx.workspace), DIRECTORY_FLAGS | (_PATH if names else 0))
+    for depth, name in enumerate(names, start=1):
+        flags = DIRECTORY_FLAGS | (_PATH if depth < len(names) else 0)
         try:
-            child = os.open(name, DIRECTORY_FLAGS, dir_fd=fd)
+            child = os.open(name, flags, dir_fd=fd)
         except OSError as exc:
             os.close(fd)
             if exc.errno == errno.ELOOP:
