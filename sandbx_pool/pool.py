@@ -57,7 +57,7 @@ from sandbx_pool.journal.records import IntentRecord
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
-from sandbx_pool.runtime_dir import default_journal_path, make_private_dir
+from sandbx_pool.runtime_dir import default_journal_path, make_lock_dir, make_private_dir
 from sandbx_pool.template import TemplateProcess
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
 from sandbx_pool.worker_set import WorkerSet
@@ -106,6 +106,7 @@ class Pool:
         self.config.sandbox.user()  # an unknown run_as user is a ConfigError here, not later
         self._sandbox: Sandbox | None = None
         self._tmp_root: str | None = None
+        self._lock_dir: str | None = None
         self.state = PoolState.NEW
         self.journal: Journal | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -145,8 +146,11 @@ class Pool:
             # listable: one call cannot find another's.
             self._tmp_root = tempfile.mkdtemp(prefix="sandbx-tmp-")
             os.chmod(self._tmp_root, 0o711 if self.config.sandbox.run_as else 0o700)
-            self._sandbox = self.config.sandbox.for_workers(
-                tmp_root=self._tmp_root, hidden=(os.path.dirname(self._runtime_dir),)
+            self._lock_dir = make_lock_dir()
+            hidden = (os.path.dirname(self._runtime_dir), self._lock_dir)
+            self._sandbox = msgspec.structs.replace(
+                self.config.sandbox.for_workers(tmp_root=self._tmp_root, hidden=hidden),
+                lock_dir=self._lock_dir,
             )
             journal_path = self._journal_path or default_journal_path()
             if self.config.journal.policy is not JournalPolicy.OFF or self._journal_path:
@@ -238,6 +242,8 @@ class Pool:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
         if self._tmp_root is not None:
             shutil.rmtree(self._tmp_root, ignore_errors=True)
+        if self._lock_dir is not None:
+            shutil.rmtree(self._lock_dir, ignore_errors=True)
         for worker in self._workers.by_token.values():
             worker.stop_watching()
             if worker.state is WorkerState.QUARANTINED:

@@ -1,4 +1,4 @@
-"""Where a pool keeps its socket (private, removed on close) and its default journals (kept)."""
+"""Where a pool keeps its socket and its write locks (removed on close) and its journals (kept)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,18 @@ def _remove_abandoned(root: str) -> None:
         ours = len(parts) == 3 and parts[0] == "pool" and parts[1].isdigit()
         if ours and not os.path.exists(f"/proc/{parts[1]}"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def make_lock_dir() -> str:
+    """A fresh directory for one pool's write locks (workers.tools.atomic says why).
+
+    Sticky and writable by all, not listable (1733): a call may run as another user, whose
+    worker must make and open lock files there, and must not remove another's. No call reaches
+    it: the pool hides it from bash, and only the file tools' rules grant it.
+    """
+    path = tempfile.mkdtemp(prefix="sandbx-locks-")
+    os.chmod(path, 0o1733)
+    return path
 
 
 def default_journal_path() -> str:

@@ -24,6 +24,7 @@ from conftest import marked_config
 from helpers import wait_until
 
 from sandbx_pool import CancelToken, Outcome, Pool, Status
+from sandbx_pool.workers.tools.atomic import lock_file_name
 from sandbx_pool.workers.tools.files import TEMP_MARKER
 
 _MiB = 1024 * 1024
@@ -186,18 +187,21 @@ async def test_thirty_parallel_edits_of_one_file_all_land(pool8: Pool, workspace
     assert target.read_text() == "".join(f"item-{i:02d} = new-{i}\n" for i in range(30))
 
 
-def flock_waiters(directory: Path) -> int:
-    """Processes blocked on a flock of ``directory`` (``->`` lines of /proc/locks)."""
-    suffix = f":{directory.stat().st_ino} 0 EOF"
+def flock_waiters(lock: Path) -> int:
+    """Processes blocked on a flock of the file ``lock`` (``->`` lines of /proc/locks)."""
+    suffix = f":{lock.stat().st_ino} 0 EOF"
     with open("/proc/locks") as f:
         return sum(1 for line in f if " -> " in line and line.rstrip().endswith(suffix))
 
 
 class DirectoryLock:
-    """The write lock write and edit take on a directory, held here by the test itself."""
+    """The write lock write and edit take for a directory (a file in the pool's lock
+    directory, which no call can reach), held here by the test itself."""
 
-    def __init__(self, directory: Path) -> None:
-        self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    def __init__(self, pool: Pool, directory: Path) -> None:
+        assert pool._lock_dir is not None
+        self.path = Path(pool._lock_dir, lock_file_name(directory.stat()))
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def release(self) -> None:
@@ -212,7 +216,7 @@ async def test_same_directory_waits_other_directories_and_bash_do_not(
     locked = workspace / "a"
     locked.mkdir()
     (locked / "mine.txt").write_text("old\n")
-    lock = DirectoryLock(locked)
+    lock = DirectoryLock(pool, locked)
     try:
         # We play a writer in the middle of its write: its temp must survive the waiters.
         ours = locked / f".mine.txt{TEMP_MARKER}12345678"
@@ -221,7 +225,7 @@ async def test_same_directory_waits_other_directories_and_bash_do_not(
         second = asyncio.create_task(
             pool.call("edit", {"path": "a/mine.txt", "old_string": "in", "new_string": "done"})
         )
-        await wait_until(lambda: flock_waiters(locked) == 2)
+        await wait_until(lambda: flock_waiters(lock.path) == 2)
 
         elsewhere = await pool.call("write", {"path": "b/y.txt", "content": "y"})
         assert elsewhere.status is Status.OK, elsewhere

@@ -451,10 +451,10 @@ def test_grep_skips_binary_git_and_unreadable(
     (ws / "locked.txt").write_text("hit\n")
     (ws / "ok.txt").write_text("hit\n")
 
-    def open_or_refuse(path: str) -> Any:
+    def open_or_refuse(path: str, *, dir_fd: int | None = None) -> Any:
         if path.endswith("locked.txt"):  # root ignores chmod, so refuse by hand
             raise PermissionError(errno.EACCES, "Permission denied", path)
-        return open_regular(path)
+        return open_regular(path, dir_fd=dir_fd)
 
     monkeypatch.setattr("sandbx_pool.workers.tools.search.open_regular", open_or_refuse)
     value = call(ctx, "grep", pattern="hit")

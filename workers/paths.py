@@ -5,20 +5,28 @@ hung mount cannot hang it). Here, inside the disposable worker, the path is reso
 symlinks included, and refused when it leads outside the workspace. A stat that hangs here
 hangs only this worker, which a cancel kills.
 
-Residual race: between this check and the open, another process could swap a directory in the
-path for a symlink. read, write, edit and ls close it: once they hold the file (or the target's
-directory) open, ``check_opened`` asks the kernel where that open file really is and refuses it
-if it is outside; every later step works relative to that descriptor. grep and find walk by
-path and re-check only the root, so a directory swapped for a symlink in the middle of their
-walk could still be entered: the residual race, documented in the README.
+Between that check and the open, a parallel call could swap a directory in the path for a
+symlink. Nothing here opens a resolved path in one go, then: ``open_directory`` walks down from
+the workspace one name at a time, each opened ``O_NOFOLLOW`` relative to the directory above,
+so whatever is swapped in meanwhile is refused (ELOOP), never followed. write, edit, ls, grep
+and find reach their directories that way and work relative to the descriptor from then on
+(grep and find walk the whole tree so); read opens its file ``O_NOFOLLOW`` and asks the kernel
+where it landed (``check_opened``).
+
+Protected paths (``Sandbox.protected``, e.g. ``.git/hooks/**``) are refused to write and edit by
+``check_protected``, on the resolved path relative to the workspace: ``..`` and symlinks are
+resolved first, and the directory then opened is the one that path names (above).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import re
 
 from sandbx_pool.workers.errors import Denied
+from sandbx_pool.workers.globs import compile_glob
 from sandbx_pool.workers.protocol import ExecutionContext
 
 
@@ -63,3 +71,83 @@ def check_opened(ctx: ExecutionContext, fd: int, path: str) -> None:
         return
     if not is_within(opened, real_workspace(ctx.workspace)):
         raise Denied(f"path {path!r} resolves outside the workspace ({opened})")
+
+
+#: How every directory on the way down is opened: never through a symlink (ELOOP instead),
+#: never waiting on a FIFO swapped in (O_DIRECTORY then fails at once).
+DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_PATH = getattr(os, "O_PATH", 0)
+
+
+def open_directory(
+    ctx: ExecutionContext, real: str, display: str, ancestors: list[int] | None = None
+) -> int:
+    """An fd of the directory ``real`` (a path ``resolve`` returned), reached from the workspace
+    one name at a time, each ``O_NOFOLLOW`` relative to the one above: a component swapped for a
+    symlink since ``resolve`` is Denied, never followed, whatever it points to.
+
+    With ``ancestors``, the fds of the directories above (the workspace first; O_PATH, good as
+    ``dir_fd`` only) are appended to it for the caller to close; otherwise they are closed
+    here. Raises OSError as it comes.
+    """
+    rel = os.path.relpath(real, real_workspace(ctx.workspace))
+    names = [] if rel == "." else rel.split(os.sep)
+    # The directories on the way are opened O_PATH: that needs search permission only, as a
+    # path lookup does (a call may run as a user who may not list them); the last one is read.
+    fd = os.open(real_workspace(ctx.workspace), DIRECTORY_FLAGS | (_PATH if names else 0))
+    for depth, name in enumerate(names, start=1):
+        flags = DIRECTORY_FLAGS | (_PATH if depth < len(names) else 0)
+        try:
+            child = os.open(name, flags, dir_fd=fd)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno == errno.ELOOP:
+                raise Denied(f"path {display!r} changed to a symlink while it was opened") from exc
+            raise
+        if ancestors is None:
+            os.close(fd)
+        else:
+            ancestors.append(fd)
+        fd = child
+    return fd
+
+
+@functools.lru_cache(maxsize=8)
+def _protected_globs(globs: tuple[str, ...]) -> list[tuple[str, re.Pattern[str], bool]]:
+    compiled = []
+    for glob in globs:
+        regex, dir_only = compile_glob(glob)
+        # Case-insensitive, as git's own checks of ".git" are: on a case-insensitive filesystem
+        # ".GIT/Config" is the same file, and refusing it elsewhere costs nothing real.
+        compiled.append((glob, re.compile(regex.pattern, re.DOTALL | re.IGNORECASE), dir_only))
+    return compiled
+
+
+def protected_by(ctx: ExecutionContext, real: str) -> str | None:
+    """The protected glob that covers the resolved path ``real``, or None.
+
+    A glob covers a path it matches and everything below a directory it matches, so
+    ``.git/hooks`` protects ``.git/hooks/x/y`` too; a glob ending in ``/`` (directories only)
+    covers what is below what it matches.
+    """
+    if not ctx.sandbox.protected:
+        return None
+    rel = os.path.relpath(real, real_workspace(ctx.workspace))
+    if rel == ".":
+        return None
+    parts = rel.split(os.sep)
+    globs = _protected_globs(ctx.sandbox.protected)
+    for depth in range(1, len(parts) + 1):
+        prefix = "/".join(parts[:depth])
+        below = depth < len(parts)
+        for glob, regex, dir_only in globs:
+            if (below or not dir_only) and regex.fullmatch(prefix) is not None:
+                return glob
+    return None
+
+
+def check_protected(ctx: ExecutionContext, real: str, display: str) -> None:
+    """Raise Denied if no call may change ``real`` (``Sandbox.protected``)."""
+    glob = protected_by(ctx, real)
+    if glob is not None:
+        raise Denied(f"{display} is protected ({glob!r}): no call may change it")

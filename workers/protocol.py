@@ -57,6 +57,9 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: bash keeps a container's default capabilities and sees root's secrets (False: none, and
     #: masked): for users who need the host's root, such as Inspect's local-provider view.
     keep_root: bool = False
+    #: The pool's directory of write locks (workers.tools.atomic), out of every call's reach:
+    #: the file tools' Landlock rules grant it, bash's never do. None: lock the directory.
+    lock_dir: str | None = None
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):

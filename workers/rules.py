@@ -2,7 +2,8 @@
 
 Every domain starts from the same fixed rules (the system's directories and Python's read-only,
 a few devices), whose paths the template opens once (``preload``) for every worker to inherit.
-A file tool's domain adds only the pool's own paths (the workspace, the configured extras), so
+A file tool's domain adds only the pool's own paths (the workspace, the configured extras, the
+pool's lock directory, which bash's domain never grants: workers.tools.atomic), so
 it is the same for every file tool call of a pool: ``build_file_rules`` builds it once, in a
 helper the template forks, and each worker enters it with one system call::
 
@@ -39,6 +40,8 @@ PROC = landlock.READ_FILE | landlock.READ_DIR
 DEVICE = landlock.READ_FILE | landlock.WRITE_FILE | landlock.TRUNCATE | landlock.IOCTL_DEV
 WRITE = landlock.fs_rights(99) & ~(landlock.MAKE_CHAR | landlock.MAKE_BLOCK | landlock.IOCTL_DEV)
 SCOPES = landlock.SCOPE_SIGNAL | landlock.SCOPE_ABSTRACT_UNIX_SOCKET
+#: In the lock directory a file tool opens and makes lock files, and does nothing else.
+LOCKS = landlock.READ_FILE | landlock.MAKE_REG
 
 #: How long the template waits for the helper that builds the file tools' rules.
 FILE_RULES_TIMEOUT_S = 2.0
@@ -131,6 +134,13 @@ def add_file_rules(ruleset: landlock.Ruleset, workspace: str, box: Sandbox) -> d
     return {path: ruleset.allow_path(path, rights) for path, rights in granted}
 
 
+def add_lock_rule(ruleset: landlock.Ruleset, box: Sandbox) -> dict[str, Identity]:
+    """The pool's lock directory, for a file tool's domain only: bash's never has it."""
+    if box.lock_dir is None:
+        return {}
+    return {box.lock_dir: ruleset.allow_path(box.lock_dir, LOCKS)}
+
+
 def identity(path: str) -> Identity:
     try:
         found = os.stat(path)
@@ -150,6 +160,7 @@ class FileRules:
         self.workspace = workspace
         self.read_only = box.read_only
         self.writable = box.writable
+        self.lock_dir = box.lock_dir
         self.fd = fd
         self.identities = identities
 
@@ -163,6 +174,7 @@ class FileRules:
             and ctx.workspace == self.workspace
             and box.read_only == self.read_only
             and box.writable == self.writable
+            and box.lock_dir == self.lock_dir
             and all(identity(path) == then for path, then in self.identities.items())
         )
 
@@ -230,7 +242,7 @@ def _serve_file_rules(channel: socket.socket, workspace: str, box: Sandbox, pare
         os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
         preload().forget_rules()
         ruleset = fixed_ruleset()
-        identities = add_file_rules(ruleset, workspace, box)
+        identities = add_file_rules(ruleset, workspace, box) | add_lock_rule(ruleset, box)
         socket.send_fds(channel, [msgspec.msgpack.encode(identities)], [ruleset.fd])
         code = 0
     except OSError:
@@ -254,6 +266,7 @@ def _python_dirs() -> list[str]:
 __all__ = [
     "FileRules",
     "Preloaded",
+    "add_lock_rule",
     "build_file_rules",
     "fixed_ruleset",
     "preload",

@@ -61,6 +61,7 @@ from sandbx_pool.workers.rules import (
     WRITE,
     FileRules,
     add_file_rules,
+    add_lock_rule,
     fixed_ruleset,
     preload,
     within,
@@ -420,6 +421,8 @@ def _rulesets(
                     ruleset.allow_path(path, READ)
             ruleset.allow_path("/proc", PROC)  # after the mounts: the private /proc, if any
         add_file_rules(ruleset, ctx.workspace, box)
+        if not runs_programs:
+            add_lock_rule(ruleset, box)
         if tmpdir is not None:
             ruleset.allow_path(tmpdir, WRITE)
             if box.tmp_root is not None:

@@ -11,11 +11,27 @@ holds at most one leftover, until its next write or edit. Recovery calls
 ``remove_leftover_temps`` on the directories of the write and edit calls a crashed coordinator
 left in doubt. A file of the user's named like a temp (``.x.sbx-tmp-y``) would be deleted too.
 
-The lock is an exclusive flock on the target's directory, held from before edit reads the file
-until after the rename: parallel edits of one file (each in its own worker) are serialised and
-none is lost. It is on the directory, not the file, because the rename swaps the file's inode:
-a lock on the old inode would not stop the next writer. The price: writes to different files of
-one directory wait for each other too (they are short); other directories never wait.
+The lock serialises the writers of one directory, held from before edit reads the file until
+after the rename: parallel edits of one file (each in its own worker) are serialised and none is
+lost. It is per directory, not per file, because the rename swaps the file's inode: a lock on
+the old inode would not stop the next writer. The price: writes to different files of one
+directory wait for each other too (they are short); other directories never wait.
+
+What is locked is an object no call can open, so that no call can hold it: a file named for the
+directory's (st_dev, st_ino) in the pool's lock directory (``Sandbox.lock_dir``). bash never
+reaches that directory: it is in none of bash's Landlock rules, and covered by an empty mount in
+bash's mount namespace where the pool is root. (Before, the lock was a flock on the directory
+itself, and a bash call running ``flock DIR sleep 100`` stalled every write there until its
+timeout.) The directory is sticky and writable by all (1733, not listable): a call may run as
+another user (``user``, ``run_as``), and its worker must still open and make lock files there;
+the sticky bit keeps one user from removing another's, and lock files are never removed while
+the pool lives (removing a lock file others wait on would split them across two inodes).
+
+Without a lock directory (``lock_dir`` None: the tools run outside a pool, in tests or
+recovery's own helper), the directory itself is flocked, as before: correct between writers,
+but a process that flocks the directory stalls them. On a machine where bash can reach the lock
+directory (neither root for the mount nor Landlock), a call could again stall writes until
+their timeout, and no more: holding the lock never lets anyone lose an update.
 
 Functions here raise OSError as it comes; the tools turn it into their error, naming the path.
 """
@@ -23,13 +39,14 @@ Functions here raise OSError as it comes; the tools turn it into their error, na
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
 from collections.abc import Iterator
 
 from sandbx_pool.workers.errors import ToolError
-from sandbx_pool.workers.paths import check_opened
+from sandbx_pool.workers.paths import open_directory
 from sandbx_pool.workers.protocol import ExecutionContext
 
 #: Marks write's temp files: ``.<basename>.sbx-tmp-<random>``.
@@ -43,21 +60,61 @@ _MAX_TEMP_STEM = 200
 def locked_directory(
     directory: str, display: str, ctx: ExecutionContext | None = None
 ) -> Iterator[int]:
-    """Yield an fd of ``directory`` holding its exclusive flock.
+    """Yield an fd of ``directory`` while holding its exclusive write lock.
 
-    With ``ctx``, the directory actually opened must be inside the workspace (``check_opened``):
-    every later step is relative to the fd, so nothing swapped in the path can redirect them.
+    With ``ctx``, ``directory`` is a path ``resolve`` returned, opened one name at a time from
+    the workspace (``open_directory``): every later step is relative to the fd, so nothing
+    swapped in the path can redirect them; the lock is taken in ``ctx.sandbox.lock_dir``.
     """
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if ctx is None:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    else:
+        fd = open_directory(ctx, directory, display)
     try:
-        if ctx is not None:
-            check_opened(ctx, fd, display)
-        # Blocks while another worker writes in this directory; a cancel kills us meanwhile,
-        # and the kernel drops a killed holder's lock with its fd.
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield fd
+        lock_dir = ctx.sandbox.lock_dir if ctx is not None else None
+        lock = fd if lock_dir is None else _open_lock_file(lock_dir, fd, display)
+        try:
+            # Blocks while another worker writes in this directory; a cancel kills us meanwhile,
+            # and the kernel drops a killed holder's lock with its fd.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield fd
+        finally:
+            if lock != fd:
+                os.close(lock)
     finally:
         os.close(fd)
+
+
+def lock_file_name(directory: os.stat_result) -> str:
+    """The name of the lock file of a directory (by identity: a rename keeps its lock)."""
+    return f"{directory.st_dev:x}-{directory.st_ino:x}"
+
+
+def _open_lock_file(lock_dir: str, dir_fd: int, display: str) -> int:
+    path = os.path.join(lock_dir, lock_file_name(os.fstat(dir_fd)))
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # flock needs no write access
+    try:
+        try:
+            return os.open(path, flags)
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            # Made by another writer meanwhile. Not O_CREAT on an existing file, which
+            # fs.protected_regular refuses for another user's file in a sticky directory.
+            return os.open(path, flags)
+        try:
+            os.fchmod(fd, 0o644)  # whatever the umask: other users' workers open it too
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+    except OSError as exc:
+        raise ToolError(
+            f"cannot take the write lock for {display}: {exc.strerror or exc}",
+            code=errno.errorcode.get(exc.errno or 0),
+        ) from exc
 
 
 def replace_in(dir_fd: int, name: str, data: bytes, display: str) -> bool:
@@ -136,13 +193,14 @@ def sweep_leftovers(dir_fd: int) -> list[str]:
     return sorted(removed)
 
 
-def remove_leftover_temps(directory: str) -> list[str]:
+def remove_leftover_temps(directory: str, ctx: ExecutionContext | None = None) -> list[str]:
     """Delete write's temp files left in ``directory`` by killed workers (for recovery).
 
-    Takes the directory's write lock, so a write still under way there is never robbed of its
-    temp file. Returns the names removed; a missing directory has none.
+    Takes the directory's write lock (in ``ctx``'s lock directory, as write does), so a write
+    still under way there is never robbed of its temp file. Returns the names removed; a
+    missing directory has none.
     """
     if not os.path.isdir(directory):
         return []
-    with locked_directory(directory, directory) as dir_fd:
+    with locked_directory(directory, directory, ctx) as dir_fd:
         return sweep_leftovers(dir_fd)

@@ -1,7 +1,10 @@
 """The file tools: read, write, edit and ls, plus the helpers the other tools share.
 
 Every path goes through ``workers.paths.resolve`` first, so a path that leads outside the
-workspace (through ``..`` or a symlink) is ``Denied`` before anything is opened.
+workspace (through ``..`` or a symlink) is ``Denied`` before anything is opened. write and edit
+then refuse a protected path (``workers.paths.check_protected``: ``.git/hooks/**``...), and
+reach the directory they change, as ls does the one it lists, one name at a time from the
+workspace (``workers.paths.open_directory``).
 
 write and edit replace a file atomically, under a lock on its directory, and clean up the temp
 files killed writers leave: see ``sandbx_pool.workers.tools.atomic`` (whose ``TEMP_MARKER`` and
@@ -18,7 +21,7 @@ from typing import IO, Any
 
 from sandbx_pool.workers import users
 from sandbx_pool.workers.errors import LimitExceeded, ToolError
-from sandbx_pool.workers.paths import check_opened, resolve
+from sandbx_pool.workers.paths import check_opened, check_protected, open_directory, resolve
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import EditArgs, LsArgs, ReadArgs, WriteArgs
 from sandbx_pool.workers.tools.atomic import TEMP_MARKER as TEMP_MARKER
@@ -252,6 +255,7 @@ def write_file(args: WriteArgs, ctx: ExecutionContext) -> dict[str, Any]:
     if args.user is not None:
         users.become(users.lookup(args.user))  # before the path is even resolved: as them
     real = resolve(ctx, args.path)
+    check_protected(ctx, real, args.path)  # before makedirs: not even a directory is made
     data = (
         args.content_bytes if args.content_bytes is not None else _encode(args.content, args.path)
     )
@@ -278,6 +282,7 @@ def edit_file(args: EditArgs, ctx: ExecutionContext) -> dict[str, Any]:
     if args.old_string == args.new_string:
         raise ToolError("old_string and new_string are identical; the edit would change nothing")
     real = resolve(ctx, args.path)
+    check_protected(ctx, real, args.path)
     parent, name = os.path.split(real)
     try:
         with locked_directory(parent, args.path, ctx) as dir_fd:
@@ -336,15 +341,13 @@ def list_directory(args: LsArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """
     real = resolve(ctx, args.path)
     try:
-        # O_NONBLOCK: a FIFO at ``real`` fails O_DIRECTORY at once instead of waiting.
-        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_directory(ctx, real, args.path)  # a FIFO there fails at once: O_NONBLOCK
     except NotADirectoryError:
         raise ToolError(f"{args.path} is not a directory", code="ENOTDIR") from None
     except OSError as exc:
         raise os_error(args.path, exc) from exc
     try:
-        check_opened(ctx, fd, args.path)
-        # Listed and lstat'ed relative to the fd checked above, which must stay open meanwhile.
+        # Listed and lstat'ed relative to the fd, which must stay open meanwhile.
         with os.scandir(fd) as it:
             found = sorted(it, key=lambda entry: entry.name)
         return _describe(found, ctx.max_output_bytes)

@@ -20,7 +20,6 @@ as git would count the ones above a subdirectory.
 
 from __future__ import annotations
 
-import os
 import re
 from typing import NamedTuple
 
@@ -70,24 +69,25 @@ class GitIgnore:
     directory sits in the workspace (``""`` or ``src/``), so rules found above it apply too.
     """
 
-    def __init__(self, workspace: str, root: str) -> None:
+    def __init__(self, base: str, ancestors: list[int]) -> None:
+        """``base`` is the searched directory's path in the workspace (``""``, ``src/``);
+        ``ancestors`` the fds of the directories above it, the workspace first."""
         self._rules: dict[str, list[_Rule]] = {}
-        rel = os.path.relpath(root, workspace)
-        self.base = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        self.base = base
         # The .gitignore files above the searched directory, from the workspace root down.
-        prefix, directory = "", workspace
-        for name in self.base.split("/")[:-1]:
-            self._load(prefix, directory)
-            prefix, directory = f"{prefix}{name}/", os.path.join(directory, name)
+        prefix = ""
+        for name, dir_fd in zip(base.split("/")[:-1], ancestors, strict=False):
+            self._load(prefix, dir_fd)
+            prefix = f"{prefix}{name}/"
 
-    def enter(self, rel_dir: str, real_dir: str) -> None:
+    def enter(self, rel_dir: str, dir_fd: int) -> None:
         """Read the .gitignore of a directory the walk is about to list (``""``: the root)."""
-        self._load(f"{self.base}{rel_dir}", real_dir)
+        self._load(f"{self.base}{rel_dir}", dir_fd)
 
-    def _load(self, prefix: str, directory: str) -> None:
+    def _load(self, prefix: str, dir_fd: int) -> None:
         try:
             # Never a symlink, a FIFO or a device: the walk's own rule for what it opens.
-            f = open_regular(os.path.join(directory, ".gitignore"))
+            f = open_regular(".gitignore", dir_fd=dir_fd)
         except OSError:
             return
         if f is None:

@@ -25,5 +25,5 @@ def remove_temps(args: RemoveTempsArgs, ctx: ExecutionContext) -> dict[str, Any]
             real = resolve(ctx, directory)
         except Denied:
             continue  # a path that leads outside now is nobody's business here
-        removed += [os.path.join(real, name) for name in remove_leftover_temps(real)]
+        removed += [os.path.join(real, name) for name in remove_leftover_temps(real, ctx)]
     return {"removed": removed}

@@ -9,12 +9,24 @@ The walk must never hang and never loop, whatever the tree holds:
   not stat). A FIFO opened for reading waits for a writer; a device can block or have effects
   on open. grep's open also re-checks with fstat, in case the entry was swapped meanwhile.
 * an unreadable directory or file is skipped and counted in ``skipped``, not an error.
+* it never opens anything outside the workspace, whatever a parallel call does to the tree
+  meanwhile (swap a directory for a symlink to /etc with ``renameat2(RENAME_EXCHANGE)``...):
+  it walks by descriptor. The root is reached from the workspace one name at a time
+  (``workers.paths.open_directory``); every directory below is opened by its single name,
+  ``O_NOFOLLOW``, relative to its parent's descriptor, and every file likewise, so a name that
+  became a symlink is refused by the kernel (ELOOP, counted in ``skipped``), never followed.
+  Landlock alone would not stop it: the file tools may read the system's directories. This
+  is also cheaper than walking by path: the kernel resolves one name per open, not the whole
+  path. The price: one descriptor per level of depth, so a tree deeper than the open-files
+  limit has its deepest levels skipped (and counted).
 
 Results come in a stable order: each directory's entries are visited sorted by name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fnmatch
 import os
 import re
@@ -24,7 +36,13 @@ from typing import Any
 
 from sandbx_pool.workers.errors import ToolError
 from sandbx_pool.workers.globs import compile_glob
-from sandbx_pool.workers.paths import real_workspace, relative_to_workspace, resolve
+from sandbx_pool.workers.paths import (
+    DIRECTORY_FLAGS,
+    open_directory,
+    real_workspace,
+    relative_to_workspace,
+    resolve,
+)
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import FindArgs, GrepArgs
 from sandbx_pool.workers.tools.files import (
@@ -57,57 +75,133 @@ def _is_directory(entry: os.DirEntry[str]) -> bool:
 
 
 class TreeWalk:
-    """Every entry under ``root`` (a real directory path), preorder, each directory sorted.
+    """Every entry under the directory ``root_fd`` (not closed here), preorder, each directory
+    sorted, walked by descriptor (see the module docstring).
 
-    Iterating yields ``(relative path, entry)`` with ``/`` separators. Directories named in
-    ``prune`` are yielded but not entered; entries ``ignore`` excludes (.gitignore) are neither
-    yielded nor entered. ``skipped`` counts what could not be read below the root; the root
-    itself is listed at construction, which raises OSError if it cannot be.
+    Iterating yields ``(relative path, entry, dir_fd)`` with ``/`` separators; ``dir_fd`` is the
+    open directory holding the entry (for opening it by name), valid until the next item, as is
+    the entry's own ``stat``. Directories named in ``prune`` are yielded but not entered;
+    entries ``ignore`` excludes (.gitignore) are neither yielded nor entered. ``skipped`` counts
+    what could not be read below the root; the root itself is listed at construction, which
+    raises OSError if it cannot be.
     """
 
     def __init__(
-        self, root: str, prune: Container[str] = (), ignore: GitIgnore | None = None
+        self, root_fd: int, prune: Container[str] = (), ignore: GitIgnore | None = None
     ) -> None:
         self.prune = prune
         self.ignore = ignore
         self.skipped = 0
-        self._top = self._list(root)
+        self._root = root_fd
+        self._top = self._list(root_fd)
         if ignore is not None:
-            ignore.enter("", root)
+            ignore.enter("", root_fd)
 
     @staticmethod
-    def _list(path: str) -> Iterator[os.DirEntry[str]]:
-        with os.scandir(path) as it:
+    def _list(fd: int) -> Iterator[os.DirEntry[str]]:
+        with os.scandir(fd) as it:
             return iter(sorted(it, key=lambda entry: entry.name))
 
-    def _scan(self, path: str) -> Iterator[os.DirEntry[str]] | None:
+    def _enter(self, name: str, parent: int) -> tuple[int, Iterator[os.DirEntry[str]]] | None:
         try:
-            return self._list(path)
+            fd = os.open(name, DIRECTORY_FLAGS, dir_fd=parent)
         except OSError:
+            self.skipped += 1  # a symlink swapped in (ELOOP), unreadable, or gone
+            return None
+        try:
+            return fd, self._list(fd)
+        except OSError:
+            os.close(fd)
             self.skipped += 1
             return None
 
-    def __iter__(self) -> Iterator[tuple[str, os.DirEntry[str]]]:
-        # An explicit stack of iterators rather than recursion: depth is bounded by the tree,
-        # not by Python's recursion limit.
-        stack: list[tuple[str, Iterator[os.DirEntry[str]]]] = [("", self._top)]
-        while stack:
-            prefix, entries = stack[-1]
-            entry = next(entries, None)
-            if entry is None:
-                stack.pop()
-                continue
-            rel = f"{prefix}{entry.name}"
-            is_dir = _is_directory(entry)  # False for a symlinked directory: never entered
-            if self.ignore is not None and self.ignore.ignored(rel, is_dir):
-                continue
-            yield rel, entry
-            if is_dir and entry.name not in self.prune:
-                children = self._scan(entry.path)
-                if children is not None:
-                    if self.ignore is not None:
-                        self.ignore.enter(f"{rel}/", entry.path)
-                    stack.append((f"{rel}/", children))
+    def __iter__(self) -> Iterator[tuple[str, os.DirEntry[str], int]]:
+        # An explicit stack rather than recursion: depth is bounded by the tree (and the
+        # open-files limit), not by Python's recursion limit.
+        stack: list[tuple[str, int, Iterator[os.DirEntry[str]]]] = [("", self._root, self._top)]
+        try:
+            while stack:
+                prefix, fd, entries = stack[-1]
+                entry = next(entries, None)
+                if entry is None:
+                    stack.pop()
+                    if fd != self._root:
+                        os.close(fd)
+                    continue
+                rel = f"{prefix}{entry.name}"
+                is_dir = _is_directory(entry)  # False for a symlinked directory: never entered
+                if self.ignore is not None and self.ignore.ignored(rel, is_dir):
+                    continue
+                yield rel, entry, fd
+                if is_dir and entry.name not in self.prune:
+                    child = self._enter(entry.name, fd)
+                    if child is not None:
+                        if self.ignore is not None:
+                            self.ignore.enter(f"{rel}/", child[0])
+                        stack.append((f"{rel}/", *child))
+        finally:
+            for _, fd, _ in stack:
+                if fd != self._root:
+                    os.close(fd)
+
+
+class _Root:
+    """The search root, reached from the workspace one name at a time; closes what it opened.
+
+    ``parent`` is the directory holding it and ``name`` its name in there (None when the root
+    is the workspace itself, and ``parent`` the workspace); ``above`` the fds of the directories
+    from the workspace down to ``parent``, excluded.
+    """
+
+    def __init__(self, ctx: ExecutionContext, real: str, display: str) -> None:
+        self.above: list[int] = []
+        self._opened = contextlib.ExitStack()
+        workspace = real_workspace(ctx.workspace)
+        self.name = None if real == workspace else os.path.basename(real)
+        try:
+            self.parent = open_directory(
+                ctx, real if self.name is None else os.path.dirname(real), display, self.above
+            )
+        except BaseException:
+            self.close()
+            raise
+        self._opened.callback(os.close, self.parent)
+        rel = relative_to_workspace(ctx, real)
+        #: What the root's entries are reported under: their path in the workspace.
+        self.prefix = "" if rel == "." else f"{rel}/"
+
+    def mode(self) -> int:
+        """The root's type (lstat). Raises OSError, ELOOP for a symlink: ``resolve`` leaves one
+        only where it loops (or where one was swapped in since), and none is followed."""
+        if self.name is None:
+            return stat.S_IFDIR
+        mode = os.stat(self.name, dir_fd=self.parent, follow_symlinks=False).st_mode
+        if stat.S_ISLNK(mode):
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP))
+        return mode
+
+    def open_directory(self) -> int:
+        if self.name is None:
+            return self.parent
+        fd = os.open(self.name, DIRECTORY_FLAGS, dir_fd=self.parent)
+        self._opened.callback(os.close, fd)
+        return fd
+
+    def ancestors(self) -> list[int]:
+        """The fds of the directories above the root, the workspace first."""
+        return self.above if self.name is None else [*self.above, self.parent]
+
+    def close(self) -> None:
+        self._opened.close()
+        for fd in self.above:
+            os.close(fd)
+        self.above = []
+
+    def __enter__(self) -> _Root:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 # -- grep --------------------------------------------------------------------------------------
@@ -149,9 +243,12 @@ class _Matches:
         return True
 
 
-def _search_file(real: str, display: str, regex: re.Pattern[str], matches: _Matches) -> bool:
-    """Add ``real``'s matching lines; False when the matches are full. Raises OSError."""
-    f = open_regular(real)
+def _search_file(
+    name: str, dir_fd: int, display: str, regex: re.Pattern[str], matches: _Matches
+) -> bool:
+    """Add the matching lines of the file ``name`` in ``dir_fd``; False when the matches are
+    full. Raises OSError."""
+    f = open_regular(name, dir_fd=dir_fd)
     if f is None:
         return True  # swapped for a non-regular file since the walk saw it
     with f:
@@ -173,10 +270,6 @@ def _is_regular(entry: os.DirEntry[str]) -> bool:
         return False
 
 
-def _display(ctx: ExecutionContext, real: str) -> str:
-    return printable(relative_to_workspace(ctx, real))
-
-
 def grep_files(args: GrepArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """Lines matching a Python regex in a file, or in the regular files under a directory.
 
@@ -189,36 +282,42 @@ def grep_files(args: GrepArgs, ctx: ExecutionContext) -> dict[str, Any]:
         regex = re.compile(args.pattern, re.IGNORECASE if args.ignore_case else 0)
     except re.error as exc:
         raise ToolError(f"invalid regular expression {args.pattern!r}: {exc}") from exc
-    root = resolve(ctx, args.path)
+    real = resolve(ctx, args.path)
     matches = _Matches(args.max_results or DEFAULT_MAX_MATCHES, ctx.max_output_bytes)
     skipped = 0
-    try:
-        # stat, not open: the root may be a FIFO, which is refused below without opening it.
-        mode = os.stat(root).st_mode
-        if stat.S_ISREG(mode):
-            _search_file(root, _display(ctx, root), regex, matches)
-        elif stat.S_ISDIR(mode):
-            ignore = None
-            if args.respect_gitignore:
-                ignore = GitIgnore(real_workspace(ctx.workspace), root)
-            walk = TreeWalk(root, prune={".git"}, ignore=ignore)
-    except OSError as exc:
-        raise os_error(args.path, exc) from exc
-    if stat.S_ISDIR(mode):
-        wanted = _GlobFilter(args.glob) if args.glob is not None else None
-        for rel, entry in walk:
-            if not _is_regular(entry) or (wanted is not None and not wanted(rel, entry.name)):
-                continue
-            try:
-                more = _search_file(entry.path, _display(ctx, entry.path), regex, matches)
-            except OSError:
-                skipped += 1
-                continue
-            if not more:
-                break
-        skipped += walk.skipped
-    elif not stat.S_ISREG(mode):
-        raise ToolError(f"{args.path} is not a regular file or a directory")
+    with contextlib.ExitStack() as stack:
+        try:
+            root = stack.enter_context(_Root(ctx, real, args.path))
+            # lstat, not open: the root may be a FIFO, which is refused below without opening it.
+            mode = root.mode()
+            if stat.S_ISREG(mode):
+                assert root.name is not None  # the workspace is a directory
+                display = printable(relative_to_workspace(ctx, real))
+                _search_file(root.name, root.parent, display, regex, matches)
+            elif stat.S_ISDIR(mode):
+                root_fd = root.open_directory()
+                ignore = None
+                if args.respect_gitignore:
+                    ignore = GitIgnore(root.prefix, root.ancestors())
+                walk = TreeWalk(root_fd, prune={".git"}, ignore=ignore)
+        except OSError as exc:
+            raise os_error(args.path, exc) from exc
+        if stat.S_ISDIR(mode):
+            wanted = _GlobFilter(args.glob) if args.glob is not None else None
+            for rel, entry, dir_fd in walk:
+                if not _is_regular(entry) or (wanted is not None and not wanted(rel, entry.name)):
+                    continue
+                display = printable(f"{root.prefix}{rel}")
+                try:
+                    more = _search_file(entry.name, dir_fd, display, regex, matches)
+                except OSError:
+                    skipped += 1
+                    continue
+                if not more:
+                    break
+            skipped += walk.skipped
+        elif not stat.S_ISREG(mode):
+            raise ToolError(f"{args.path} is not a regular file or a directory")
     return {"matches": matches.items, "truncated": matches.truncated, "skipped": skipped}
 
 
@@ -232,25 +331,28 @@ def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
     never descends a symlinked directory. Results are relative to the workspace, sorted.
     """
     regex, dir_only = compile_glob(args.pattern)
-    root = resolve(ctx, args.path)
-    try:
-        walk = TreeWalk(root)
-    except NotADirectoryError:
-        raise ToolError(f"{args.path} is not a directory", code="ENOTDIR") from None
-    except OSError as exc:
-        raise os_error(args.path, exc) from exc
+    real = resolve(ctx, args.path)
     found: list[str] = []
     room = ctx.max_output_bytes
     truncated = False
-    for rel, entry in walk:
-        if regex.fullmatch(rel) is None:
-            continue
-        if dir_only and not _is_directory(entry):
-            continue
-        path = _display(ctx, entry.path)
-        room -= len(path.encode()) + _RESULT_OVERHEAD
-        if len(found) >= MAX_FIND_RESULTS or room < 0:
-            truncated = True
-            break
-        found.append(path)
+    with contextlib.ExitStack() as stack:
+        try:
+            root = stack.enter_context(_Root(ctx, real, args.path))
+            root.mode()  # a symlink loop is ELOOP, as it was when the root was opened by path
+            walk = TreeWalk(root.open_directory())
+        except NotADirectoryError:
+            raise ToolError(f"{args.path} is not a directory", code="ENOTDIR") from None
+        except OSError as exc:
+            raise os_error(args.path, exc) from exc
+        for rel, entry, _ in walk:
+            if regex.fullmatch(rel) is None:
+                continue
+            if dir_only and not _is_directory(entry):
+                continue
+            path = printable(f"{root.prefix}{rel}")
+            room -= len(path.encode()) + _RESULT_OVERHEAD
+            if len(found) >= MAX_FIND_RESULTS or room < 0:
+                truncated = True
+                break
+            found.append(path)
     return {"paths": sorted(found), "truncated": truncated, "skipped": walk.skipped}
