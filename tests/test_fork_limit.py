@@ -9,7 +9,11 @@ cgroups inside it: the guard's pids.max bounds them all.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -214,3 +218,35 @@ async def test_stale_pool_cgroups_of_dead_templates_are_removed(
     async with Pool(workspace, journal=tmp_path / "j2.jsonl", config=config) as second:
         assert not _exists(stale)
         assert _exists(_pool_cgroup(second))
+
+
+def test_doctor_says_why_the_limit_is_not_enforced_where_cgroupfs_is_read_only() -> None:
+    """cgroupfs read-only in a private mount namespace (the host's mounts are left as they are):
+    doctor reports the limit as not enforced, and why."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    remounts = "; ".join(
+        f"mount -o remount,bind,ro {mount}"
+        for mount in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+        if os.path.ismount(mount)
+    )
+    if not remounts:
+        pytest.skip("no cgroup mount to make read-only")
+    done = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f'{remounts} && "$0" -m sandbx_pool.cli doctor --json',
+            sys.executable,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    checks = {check["name"]: check for check in json.loads(done.stdout)}
+    limit = checks["per-call process limit (pids cgroup)"]
+    assert limit["ok"] is False
+    assert "Read-only file system" in limit["fallback"], limit
