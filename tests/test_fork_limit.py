@@ -130,10 +130,12 @@ async def test_a_fork_bomb_ends_its_own_call_only(pool: Pool, guard: str) -> Non
     assert during.value["stdout"] == "ok\n"
     bomb = await bomb_call
     assert bomb.status is Status.TIMEOUT, bomb
-    # At most LIMIT for the bomb (its worker included), a few for the call made meanwhile;
-    # without the limit the bomb fills the guard (GUARD_PIDS).
+    # At most LIMIT for the bomb (its worker included), a few for the call made meanwhile and
+    # for threads this process may start (asyncio's executor); without the limit the bomb
+    # fills the guard (GUARD_PIDS).
     if _exists(f"{guard}/pids.peak"):  # Linux 6.1+
-        assert int(_read(f"{guard}/pids.peak")) <= before + LIMIT + 4
+        peak = int(_read(f"{guard}/pids.peak"))
+        assert peak <= before + LIMIT + 32, (peak, before)
     # One whose bash ends first: the worker kills what it left; the outcome names the limit.
     bomb = await pool.call("bash", {"command": f"{BOMB}; sleep 1"}, timeout=10.0)
     assert bomb.status is Status.OK, bomb

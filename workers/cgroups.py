@@ -100,6 +100,21 @@ def kill_cgroup(path: str, deadline_s: float = 1.0) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def kill_others(path: str, deadline_s: float = 2.0) -> None:
+    """SIGKILL every process in ``path`` but the caller: a worker without a PID namespace ending
+    what its call left. A fork bomb's processes are not all its children yet, and walking them
+    generation by generation loses the race; the cgroup lists them all, and a process with
+    SIGKILL pending forks no more, so this ends (a zombie leaves cgroup.procs)."""
+    me, end = os.getpid(), time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        others = [pid for pid in map(int, _read(f"{path}/cgroup.procs").split()) if pid != me]
+        if not others:
+            return
+        for pid in others:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def remove_cgroup(path: str, timeout_s: float = 1.0) -> bool:
     """rmdir ``path``, and on EBUSY the cgroups below it; True once none is left.
 

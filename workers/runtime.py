@@ -278,6 +278,8 @@ def serve(
             # temporarily unavailable"): the outcome names the limit, as for the rlimits.
             result = msgspec.structs.replace(result, limit="processes")
     if runs_programs:  # the other tools start nothing
+        if pids_cgroup is not None and not containment.in_own_pid_namespace():
+            cgroups.kill_others(pids_cgroup)
         containment.kill_descendants()
     if terminated:
         # The coordinator is stopping this call and will not read a Result: what it waits
