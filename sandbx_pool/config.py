@@ -74,6 +74,8 @@ class LimitSettings(_Section):
     cpu_s: Annotated[int, Meta(ge=1)] | None = None
     open_files: Annotated[int, Meta(ge=16)] | None = None
     file_size_mb: Annotated[int, Meta(ge=1)] | None = None
+    #: Processes and threads one call may have at once (a pids cgroup per worker); 0: none.
+    processes: Annotated[int, Meta(ge=0)] = 1024
 
     def for_workers(self) -> Limits:
         """What each Call carries unless the call brings its own limits: bytes, not MiB."""
@@ -82,6 +84,7 @@ class LimitSettings(_Section):
             cpu_seconds=self.cpu_s,
             open_files=self.open_files,
             file_size_bytes=_mib(self.file_size_mb),
+            processes=self.processes or None,
         )
 
 

@@ -69,6 +69,7 @@ from sandbx_pool.workers.protocol import (
     Ready,
     Sandbox,
     Spawned,
+    SpawnFailed,
 )
 from sandbx_pool.workers.schemas import UnknownTool, parse_args
 
@@ -417,6 +418,8 @@ class Pool:
             self._workers.on_spawned(message)
         elif isinstance(message, Exited):
             self._workers.on_exited(message)
+        elif isinstance(message, SpawnFailed):
+            self._workers.on_spawn_failed(message)
 
     def _on_template_lost(self) -> None:
         self._template_lost = True

@@ -58,6 +58,10 @@ class TemplateProcess:
         self._ready: asyncio.Future[TemplateReady] | None = None
         self.pid: int | None = None
         self.containment: str | None = None
+        #: The template's pids cgroup, where each worker's lives; None: [limits] processes is
+        #: not enforced, for the reason in ``process_limit_why``.
+        self.pids_cgroup: str | None = None
+        self.process_limit_why: str | None = None
         self.closed = False
         self._pending_spawns = 0
         self._spawn_scheduled = False
@@ -106,7 +110,10 @@ class TemplateProcess:
             raise TemplateLost("the worker template did not start in time") from None
         self.pid = ready.pid
         self.containment = ready.containment
+        self.pids_cgroup, self.process_limit_why = ready.pids_cgroup, ready.process_limit_why
         logger.debug("worker template {} up, containment {}", ready.pid, ready.containment)
+        if ready.pids_cgroup is None:
+            logger.debug("per-call process limit not enforced: {}", ready.process_limit_why)
 
     def _on_readable(self) -> None:
         while True:

@@ -22,7 +22,7 @@ from sandbx_pool.call_state import CallState, describe_exit
 from sandbx_pool.errors import WorkersFailToStart
 from sandbx_pool.logs import logger
 from sandbx_pool.worker_handle import Worker, WorkerState
-from sandbx_pool.workers.protocol import Exited, Ready, Spawned
+from sandbx_pool.workers.protocol import Exited, Ready, Spawned, SpawnFailed
 
 #: Workers in a row that may exit before connecting (a bug, a limit, a host that refuses what a
 #: worker sets up, the coordinator's socket removed from under it) before the calls waiting for
@@ -188,6 +188,22 @@ class WorkerSet:
             logger.info("stuck worker {} finally exited ({})", worker.pid, message.returncode)
         worker.mark_exited(message.returncode)
         self.replenish()
+
+    def on_spawn_failed(self, message: SpawnFailed) -> None:
+        """The template could not fork ``message.count`` of the workers asked for, even after
+        its backoff (a fork bomb or another pool holds every pid it may have, or memory is
+        short). Fail the calls that were waiting for them now: the template has already waited,
+        and nothing says when a pid comes back. A later call asks again (no spares meanwhile)."""
+        self.starting -= message.count
+        self.starts_failing = True
+        runnable = min(len(self.waiting), self.max_workers - self.busy)
+        unserved = runnable - self.starting - len(self.idle)
+        if unserved <= 0:
+            return
+        error = WorkersFailToStart(f"no worker could be forked: {message.error}")
+        logger.error("{}", error)
+        for _ in range(unserved):
+            self.waiting.popleft().assigned.set_exception(error)
 
     def _failed_to_start(self, returncode: int) -> None:
         self.starts_failing = True

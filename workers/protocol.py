@@ -29,12 +29,14 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Resource limits applied to one call's worker with setrlimit (None: inherit)."""
+    """Resource limits applied to one call's worker with setrlimit (None: inherit), and
+    ``processes``, the pids.max of the worker's cgroup (None: no limit; workers.cgroups)."""
 
     address_space_bytes: int | None = None
     cpu_seconds: int | None = None
     open_files: int | None = None
     file_size_bytes: int | None = None
+    processes: int | None = None
 
 
 class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -143,13 +145,25 @@ class Exited(Message, tag="exited"):
     returncode: int
 
 
+class SpawnFailed(Message, tag="spawn_failed"):
+    """``count`` of the workers asked for were not forked: the kernel refused the fork
+    (``error``) even after the template's backoff. The template goes on serving."""
+
+    count: int
+    error: str
+
+
 class TemplateReady(Message, tag="template_ready"):
     pid: int
     containment: str
+    #: Where the template keeps its workers' pids cgroups; None: the per-call process limit
+    #: is not enforced, and ``process_limit_why`` says why.
+    pids_cgroup: str | None = None
+    process_limit_why: str | None = None
 
 
 ToTemplate = Spawn | Shutdown | PrebuildFileRules
-FromTemplate = Spawned | Exited | TemplateReady
+FromTemplate = Spawned | Exited | SpawnFailed | TemplateReady
 
 encoder = msgspec.msgpack.Encoder()
 worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)

@@ -1,6 +1,7 @@
 """The life of one worker, from the moment the template forked it: one call, then exit.
 
-    rehearse -> prepare the confinement -> connect DEALER -> send Ready -> receive Call
+    (join its pids cgroup: workers.template) -> rehearse -> prepare the confinement
+    -> connect DEALER -> send Ready -> receive Call -> cap its processes (pids.max)
     -> confine (workers.sandbox) -> apply limits
     -> run the tool -> kill whatever the tool left running -> send Result -> exit
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool.workers import containment, sandbox, zmtp
+from sandbx_pool.workers import cgroups, containment, sandbox, zmtp
 from sandbx_pool.workers.errors import LimitExceeded, ToolError
 from sandbx_pool.workers.protocol import (
     MAX_MESSAGE_BYTES,
@@ -189,6 +190,13 @@ def rehearse_call() -> None:
     encoder.encode(run_call(call))
 
 
+def _cap_processes(path: str, processes: int) -> None:
+    try:
+        cgroups.cap(path, processes)
+    except OSError as exc:
+        raise sandbox.SandboxError(f"cannot apply the process limit ({processes}): {exc}") from exc
+
+
 def _wait_for_call(connection: zmtp.Dealer, template_pidfd: int) -> bytes:
     """The Call's bytes, once they come; exits if the template dies first."""
     waiting = select.poll()
@@ -205,14 +213,21 @@ def _wait_for_call(connection: zmtp.Dealer, template_pidfd: int) -> bytes:
 
 
 def serve(
-    token: str, endpoint: str, template_pidfd: int, file_rules: FileRules | None = None
+    token: str,
+    endpoint: str,
+    template_pidfd: int,
+    file_rules: FileRules | None = None,
+    *,
+    pids_cgroup: str | None = None,
 ) -> None:
     """Connect, take one call, answer it, exit.
 
     ``template_pidfd`` becomes readable when the template exits: an idle worker whose template
     is gone (PDEATHSIG covers that too, this is the second line) exits instead of waiting for a
     call that can never come. ``file_rules`` is the file tools' Landlock ruleset, built once by
-    the template (workers.rules).
+    the template (workers.rules). ``pids_cgroup``: the cgroup this worker has joined, whose
+    pids.max the call's ``Limits.processes`` sets (None: no pids controller is writable here,
+    and the limit is not enforced; ``sandbx-pool doctor`` says so).
     """
     # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it
     # and let the command end. Python handlers reset on exec, so bash sees the default.
@@ -240,14 +255,31 @@ def serve(
         os._exit(EXIT_ORPHANED)
     call = call_decoder.decode(payload)
     runs_programs = call.tool in RUNS_PROGRAMS
+    processes = call.context.limits.processes
     confinement = None
     try:
+        if pids_cgroup is not None and processes is not None:
+            # Before confine(): from then on the worker may not write to cgroupfs (Landlock
+            # grants /sys read-only), and neither may anything the tool starts.
+            _cap_processes(pids_cgroup, processes)
         confinement = sandbox.confine(call, prepared, runs_programs=runs_programs)
     except sandbox.SandboxError as exc:
         result = Result(call_id=call.context.call_id, status="error", error=str(exc))
     else:
         result = run_call(confinement.call)
+        if (
+            runs_programs
+            and processes is not None
+            and pids_cgroup is not None
+            and result.limit is None
+            and cgroups.limit_was_hit(pids_cgroup)
+        ):
+            # The command ran on with some forks refused (bash says "fork: Resource
+            # temporarily unavailable"): the outcome names the limit, as for the rlimits.
+            result = msgspec.structs.replace(result, limit="processes")
     if runs_programs:  # the other tools start nothing
+        if pids_cgroup is not None and not containment.in_own_pid_namespace():
+            cgroups.kill_others(pids_cgroup)
         containment.kill_descendants()
     if terminated:
         # The coordinator is stopping this call and will not read a Result: what it waits

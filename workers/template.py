@@ -8,6 +8,12 @@ a cheap fork of an interpreter that has already imported the runtime and every t
     coordinator --Spawn(n)--> template --fork--> worker (setsid, PDEATHSIG, own PID namespace)
     coordinator <--Spawned(token, pid) / Exited(pid, returncode)-- template (reaps on SIGCHLD)
 
+Process limit: where a pids cgroup hierarchy is writable, each worker joins a cgroup of its own
+while idle, the call's pids.max is set on it before the tool runs, and the template removes it
+(killing what is left in it) once the worker is reaped (workers.cgroups). Where it is not, or
+where a fork bomb fills whatever else bounds pids, a fork the kernel refuses (EAGAIN, ENOMEM) is
+retried with a backoff and then reported as ``SpawnFailed``: the template never dies of it.
+
 Death chain: the template dies with the coordinator's forking thread (PDEATHSIG, as SIGTERM: it
 first kills every worker and sweeps what they leave); each worker dies with the template
 (PDEATHSIG); everything a worker started dies with the worker (its PID namespace, or, without
@@ -35,6 +41,7 @@ import msgspec
 # runtime, and through it every tool, is imported here so that each fork starts warm.
 from sandbx_pool.workers import (
     bare_fork,
+    cgroups,
     containment,
     immortal,
     lockdown,
@@ -52,6 +59,7 @@ from sandbx_pool.workers.protocol import (
     Shutdown,
     Spawn,
     Spawned,
+    SpawnFailed,
     TemplateReady,
     encoder,
     to_template_decoder,
@@ -69,6 +77,13 @@ REHEARSALS = 16
 
 #: How many forks pass between two explicit collections of the template's garbage.
 COLLECT_EVERY_FORKS = 1024
+
+#: How often the template retries removing the cgroup of a reaped worker whose leftovers were
+#: still exiting (or are stuck in the kernel) when it first tried.
+CGROUP_RETRY_S = 0.25
+
+#: Exit status of a worker that could not join its pids cgroup (it runs no call uncapped).
+EXIT_NO_CGROUP = 71
 
 #: Set to "subreaper" in the template's environment to use the subreaper fallback even where
 #: PID namespaces are available.
@@ -93,6 +108,9 @@ class Template:
         self.selector = selectors.DefaultSelector()
         # The file tools' Landlock ruleset, once the coordinator has said for which workspace.
         self.file_rules: rules.FileRules | None = None
+        self.pids_cgroup, self.process_limit_why = _make_pids_cgroup()
+        self.worker_cgroups: dict[int, str] = {}  # worker pid -> its cgroup's name
+        self.unremoved: set[str] = set()  # cgroups of reaped workers still to be removed
 
     @property
     def containment(self) -> str:
@@ -111,9 +129,20 @@ class Template:
         signal.signal(signal.SIGTERM, _wake_loop)
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wakeup_read, selectors.EVENT_READ, "signals")
-        self.send(TemplateReady(pid=os.getpid(), containment=self.containment))
+        self.send(
+            TemplateReady(
+                pid=os.getpid(),
+                containment=self.containment,
+                pids_cgroup=self.pids_cgroup.path if self.pids_cgroup is not None else None,
+                process_limit_why=self.process_limit_why,
+            )
+        )
         while True:
-            for key, _ in self.selector.select():
+            timeout = CGROUP_RETRY_S if self.unremoved else None
+            ready = self.selector.select(timeout)
+            if self.unremoved:
+                self.remove_worker_cgroups()
+            for key, _ in ready:
                 if key.data == "signals":
                     received = b""
                     with contextlib.suppress(BlockingIOError):
@@ -144,32 +173,49 @@ class Template:
             self.file_rules = rules.build_file_rules(message.workspace, message.sandbox, timeout_s)
             return True
         assert isinstance(message, Spawn)
-        for _ in range(message.count):
-            self.fork_worker()
+        for done in range(message.count):
+            try:
+                self.fork_worker()
+            except OSError as exc:
+                # Even after the backoff: the rest of this request would meet the same refusal.
+                # The coordinator fails the calls that waited for these workers; a later
+                # request tries again.
+                self.send(SpawnFailed(count=message.count - done, error=str(exc)))
+                break
         return True
 
     def fork_worker(self) -> None:
         # Unguessable, so that nobody can connect first under a future worker's identity.
         token = f"{self.next_token}.{os.urandom(8).hex()}"
+        cgroup = f"w{self.next_token}"
         self.next_token += 1
         if self.next_token % COLLECT_EVERY_FORKS == 0:
             gc.collect()  # automatic collection is off (see warm_up)
+        # Reaping between tries: a pid comes back only when its zombie is reaped.
+        pid = cgroups.fork_with_backoff(self.fork_once, on_retry=self.reap)
+        if pid == 0:
+            self.become_worker(token, cgroup)
+        if self.namespaces is not None:
+            self.namespaces.leave()
+        self.workers.add(pid)
+        if self.pids_cgroup is not None:
+            self.worker_cgroups[pid] = cgroup
+        self.send(Spawned(token=token, pid=pid))
+
+    def fork_once(self) -> int:
+        """One fork, into a new PID namespace where there are namespaces. Each try needs a new
+        one: a namespace whose first process could not be forked refuses every later fork
+        (ENOMEM), whatever frees up meanwhile."""
         if self.namespaces is not None:
             self.namespaces.enter_new()
         try:
-            pid = bare_fork.fork()
+            return bare_fork.fork()
         except BaseException:
             if self.namespaces is not None:
                 self.namespaces.leave()
             raise
-        if pid == 0:
-            self.become_worker(token)
-        if self.namespaces is not None:
-            self.namespaces.leave()
-        self.workers.add(pid)
-        self.send(Spawned(token=token, pid=pid))
 
-    def become_worker(self, token: str) -> None:
+    def become_worker(self, token: str, cgroup: str) -> None:
         """In the child: cut every tie to the template except its pidfd, then serve.
 
         Every line here runs once per worker, in code the template never ran, so each costs
@@ -197,7 +243,19 @@ class Template:
                 os._exit(1)
             if not containment.in_own_pid_namespace():
                 containment.set_child_subreaper()
-            runtime.serve(token, self.endpoint, self.own_pidfd, self.file_rules)
+            cgroup_path = None
+            if self.pids_cgroup is not None:
+                # Before Ready, so before any call: off the call's clock, and nothing of the
+                # call runs outside it.
+                cgroup_path = self.pids_cgroup.worker_path(cgroup)
+                try:
+                    cgroups.enter(cgroup_path)
+                except OSError as exc:
+                    print(f"worker cannot join its pids cgroup: {exc}", file=sys.stderr)
+                    os._exit(EXIT_NO_CGROUP)
+            runtime.serve(
+                token, self.endpoint, self.own_pidfd, self.file_rules, pids_cgroup=cgroup_path
+            )
         except BaseException:
             # Nobody else can report a worker that broke before it could connect. Whatever
             # happens to the report, never unwind into the template's code.
@@ -221,6 +279,12 @@ class Template:
             if pid in self.workers:
                 self.workers.discard(pid)
                 exited.append(Exited(pid=pid, returncode=os.waitstatus_to_exitcode(status)))
+                if (cgroup := self.worker_cgroups.pop(pid, None)) is not None:
+                    self.unremoved.add(cgroup)
+        # Kill what the worker left in its cgroup (subreaper mode: what setsid() or a double fork
+        # took out of its group) before the coordinator hears of the exit.
+        if self.unremoved:
+            self.remove_worker_cgroups()
         # Subreaper mode: sweep after every reap, an orphan's included. Killing an orphan
         # reparents its own children to us, and its death (this SIGCHLD) is when to catch them;
         # a double fork racing the previous sweep is caught by the next. Sweep before telling the
@@ -229,6 +293,14 @@ class Template:
             self.sweep_orphans()
         for message in exited:
             self.send(message)
+
+    def remove_worker_cgroups(self) -> None:
+        """Kill what is left in each reaped worker's cgroup and remove it; one try each, the
+        rest on the loop's next turn (a member still exiting keeps it busy)."""
+        assert self.pids_cgroup is not None
+        for cgroup in list(self.unremoved):
+            if self.pids_cgroup.end_worker(cgroup):
+                self.unremoved.discard(cgroup)
 
     def sweep_orphans(self) -> None:
         """Subreaper mode: kill what a dead worker's descendants left reparented to us."""
@@ -257,7 +329,24 @@ class Template:
                     os.read(self.wakeup_read, 4096)
             self.reap()
         # Whoever is left is stuck in the kernel; once we exit it is reparented to init and
-        # dies (its PDEATHSIG fires with us) when the kernel lets it go.
+        # dies (its PDEATHSIG fires with us) when the kernel lets it go. Its cgroup stays: the
+        # next template's cleanup_stale removes it.
+        if self.pids_cgroup is not None:
+            self.pids_cgroup.close()
+
+
+def _make_pids_cgroup() -> tuple[cgroups.PoolCgroup | None, str | None]:
+    """The template's pool of worker cgroups, after removing those of dead templates; or None
+    and why the process limit cannot be enforced here."""
+    reasons: list[str] = []
+    hierarchy = cgroups.find_pids_hierarchy(reasons)
+    if hierarchy is None:
+        return None, "; ".join(reasons)
+    try:
+        hierarchy.cleanup_stale()
+        return hierarchy.create_pool(), None
+    except OSError as exc:
+        return None, f"cannot make the pool's cgroup in {hierarchy.base}: {exc}"
 
 
 def _wake_loop(signum: int, frame: object) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from sandbx_pool.interpreter import CHILD_CWD, PACKAGE_PARENT, python_command
-from sandbx_pool.workers import _libc, immortal, landlock, lockdown, seccomp
+from sandbx_pool.workers import _libc, cgroups, immortal, landlock, lockdown, seccomp
 
 
 class Check(msgspec.Struct, frozen=True):
@@ -205,6 +205,8 @@ def diagnose() -> list[Check]:
     abi = landlock.abi_version()
     cgroup, cgroup_writable = _cgroup2()
     fuse_ok, fuse_detail = _fuse()
+    pids_why: list[str] = []
+    pids = cgroups.find_pids_hierarchy(pids_why)
     return [
         Check(
             f"Landlock filesystem rules (ABI {abi})",
@@ -320,6 +322,14 @@ def diagnose() -> list[Check]:
             cgroup_writable,
             f"child groups can be made in {cgroup}",
             f"{cgroup or 'no cgroup2 mount'}: not writable; limits use setrlimit only",
+        ),
+        Check(
+            "per-call process limit (pids cgroup)",
+            pids is not None,
+            "[limits] processes binds every call, root's too: a pids cgroup per worker"
+            + (f" in {pids.base} (cgroup v{pids.version})" if pids is not None else ""),
+            f"[limits] processes is not enforced ({'; '.join(pids_why)}); a fork bomb fails "
+            "only the calls that find no pid for their worker, the pool keeps serving",
         ),
         Check(
             "immortal template",
