@@ -23,7 +23,8 @@ from helpers import wait_until as wait_for
 from test_batch import count_in, marked_toml, start_cli, wait_until
 
 from sandbx_pool import Pool, Status
-from sandbx_pool.batch.run import resume_plan
+from sandbx_pool.batch.calls import load_batch
+from sandbx_pool.batch.run import resume_plan, run_batch
 from sandbx_pool.errors import JournalLocked
 from sandbx_pool.journal.reader import in_doubt, read_journal
 from sandbx_pool.journal.records import (
@@ -368,3 +369,49 @@ def test_resume_skips_side_effects_that_may_have_happened(tmp_path: Path) -> Non
     }
     assert plan.skip(rerun_started=False) == {"done", "rerun", *plan.in_doubt}
     assert plan.skip(rerun_started=True) == {"done", "rerun"}
+
+
+async def test_a_journal_cut_short_under_the_pool_goes_on_after_a_whole_line(
+    workspace: Path, tmp_path: Path
+) -> None:
+    journal = tmp_path / "journal.jsonl"
+    async with Pool(workspace, journal=journal, config=marked_config()) as pool:
+        assert (await pool.call("write", {"path": "a.txt", "content": "a"})).ok
+        slow = asyncio.ensure_future(
+            pool.call("bash", {"command": "while [ ! -e go ]; do sleep 0.01; done"})
+        )
+        await wait_for(lambda: len(pool.running()) == 1, what="the slow call running")
+        assert pool.journal is not None
+        await pool.journal.flush()
+        os.truncate(journal, 10)  # mid-way through the first line
+        b = await pool.call("write", {"path": "b.txt", "content": "b"})
+        assert b.ok, b.error
+        (workspace / "go").touch()
+        assert (await slow).ok
+    scan = read_journal(journal)
+    assert (scan.torn_tail, scan.corrupt_lines) == (False, [1]), "the cut line only is lost"
+    assert in_doubt(scan) == [], "every outcome after the cut follows its intent"
+    assert {r.call_id for r in scan.records if isinstance(r, IntentRecord)} == {
+        slow.result().call_id,
+        b.call_id,
+    }
+
+
+async def test_calls_after_one_in_doubt_are_held_back(workspace: Path, tmp_path: Path) -> None:
+    lines = [
+        {"id": "doubtful", "tool": "bash", "args": {"command": "echo x >> log"}},
+        {"id": "next", "tool": "bash", "args": {"command": "echo y >> log"}, "after": ["doubtful"]},
+        {"id": "then", "tool": "read", "args": {"path": "log"}, "after": ["next"]},
+        {"id": "free", "tool": "write", "args": {"path": "free.txt", "content": "f"}},
+    ]
+    path = tmp_path / "calls.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    calls = load_batch(path).calls
+    async with Pool(workspace, journal=tmp_path / "j.jsonl", config=marked_config()) as pool:
+        report = await run_batch(pool, calls, parallel=2, skip={"doubtful"}, in_doubt={"doubtful"})
+    assert [spec.call_id for spec, _ in report.results] == ["free"]
+    assert report.in_doubt == ["doubtful"]
+    assert report.held == ["next", "then"]
+    assert report.not_run == 2
+    assert not report.complete
+    assert not (workspace / "log").exists()

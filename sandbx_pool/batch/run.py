@@ -18,7 +18,8 @@ with an outcome other than a shutdown cancel is finished. The rest run again, un
 them again could repeat a side effect that may already have happened: an edit or bash call (see
 ``IDEMPOTENT_TOOLS``) that was cancelled by a shutdown after a worker took it, or that has an
 intent and no outcome at all (the coordinator was SIGKILLed, or a second SIGINT exited at once).
-Such a call is *in doubt*: listed and skipped, unless ``rerun_started``. A missing ``started``
+Such a call is *in doubt*: listed and skipped, unless ``rerun_started``; so are the calls
+that come ``after`` it (held back: not run, and counted so). A missing ``started``
 record proves nothing (it is written just after the call is sent to its worker), so an intent
 without an outcome counts as in doubt whether or not one was found. Calls the pool refused
 because the journal could not be written (reason ``JOURNAL_REFUSED``) never ran, and run again.
@@ -115,6 +116,8 @@ class BatchReport:
         # Skipped because an earlier run may have done their side effect (--resume): in file
         # order. They have not run to an end, so a run that skips any is not complete.
         self.in_doubt: list[str] = list(in_doubt)
+        # Not run because they come ``after`` a call in doubt (directly or not).
+        self.held: list[str] = []
         self.results: list[tuple[CallSpec, Outcome]] = []
         self.started_at = time.monotonic()
         self.wall_s = 0.0
@@ -189,6 +192,7 @@ async def run_batch(
     awaited = {dependency for spec in todo for dependency in spec.after}
     finished = {spec.call_id: asyncio.Event() for spec in todo if spec.call_id in awaited}
     queue = iter(todo)
+    held = set(doubtful)  # in doubt, or after a call in doubt: not run
     halt = asyncio.Event()  # our own reason to stop: the pool failed under us
 
     def stopping() -> bool:
@@ -198,11 +202,16 @@ async def run_batch(
         for spec in queue:  # shared: each spec is taken by exactly one lane, in file order
             try:
                 for dependency in spec.after:
-                    event = finished.get(dependency)  # None: skipped, finished in a past run
+                    event = finished.get(dependency)  # None: skipped (a past run, in doubt)
                     if event is not None:
                         await event.wait()
                 if stopping():
                     return
+                if held.intersection(spec.after):
+                    # What it comes after may or may not have happened: so may not this one.
+                    held.add(spec.call_id)
+                    report.held.append(spec.call_id)
+                    continue
                 if on_submit is not None:
                     on_submit(spec)
                 try:

@@ -218,6 +218,8 @@ def _in_doubt_lines(report: BatchReport, batch: BatchFile, args: argparse.Namesp
         lines.append(f"  {call_id}  {spec.tool}  (line {spec.line})")
     if len(report.in_doubt) > SHOWN_IN_DOUBT:
         lines.append(f"  ... and {len(report.in_doubt) - SHOWN_IN_DOUBT} more")
+    if report.held:
+        lines.append(f"held back {len(report.held)} call(s) that come after them")
     lines.append(
         f"check them, then run them again with: sandbx-pool run {batch.path}"
         f" --journal {args.journal} --resume --rerun-started"
