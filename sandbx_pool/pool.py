@@ -53,8 +53,9 @@ from sandbx_pool.execution import execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
-from sandbx_pool.journal.records import IntentRecord
+from sandbx_pool.journal.records import JOURNAL_REFUSED, IntentRecord
 from sandbx_pool.journal.store import Journal
+from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
 from sandbx_pool.runtime_dir import default_journal_path, make_lock_dir, make_private_dir
@@ -71,7 +72,7 @@ from sandbx_pool.workers.protocol import (
     Spawned,
     SpawnFailed,
 )
-from sandbx_pool.workers.schemas import UnknownTool, parse_args
+from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS, UnknownTool, parse_args
 
 
 class PoolState(enum.IntEnum):
@@ -323,26 +324,39 @@ class Pool:
 
     async def _drive(self, call: CallState) -> Outcome:
         """Journal the intent, run the call, journal its one outcome, whatever happens."""
+        refused: Outcome | None = None
         if self.journal is not None:
             raw = call.raw_args
-            await self.journal.intent(
-                call_id=call.call_id,
-                tool=call.tool,
-                args=raw if isinstance(raw, dict) else {"<invalid>": repr(raw)},
-                cwd=call.cwd or ".",
-                timeout_s=call.timeout_s,
-                workspace=self.workspace,
-            )
+            try:
+                await self.journal.intent(
+                    call_id=call.call_id,
+                    tool=call.tool,
+                    args=raw if isinstance(raw, dict) else {"<invalid>": repr(raw)},
+                    cwd=call.cwd or ".",
+                    timeout_s=call.timeout_s,
+                    workspace=self.workspace,
+                )
+            except JournalWriteError as exc:
+                # Fail closed: a side effect never starts without its durable intent. A
+                # read-only call has nothing to account for, and runs.
+                if call.tool in SIDE_EFFECT_TOOLS:
+                    refused = call.outcome(
+                        Status.ERROR, error=f"not run: {exc}", reason=JOURNAL_REFUSED
+                    )
         try:
-            outcome = await self._run(call)
+            outcome = refused or await self._run(call)
         except Exception as exc:  # a coordinator bug must still end as exactly one outcome
             logger.exception("call {} failed in the coordinator", call.call_id)
             outcome = call.outcome(Status.CRASHED, error=f"coordinator error: {exc}")
         if self.journal is not None:
             self.journal.outcome(outcome)
             if self.config.journal.policy is JournalPolicy.ALWAYS:
-                # "always" means the caller never sees an outcome that is not on disk.
-                await self.journal.flush()
+                # "always" means the caller never sees an outcome that is not on disk; when the
+                # disk fails, the call reads as in doubt in the journal (the safe side).
+                try:
+                    await self.journal.flush()
+                except JournalWriteError as exc:
+                    logger.warning("call {}: outcome not durable: {}", call.call_id, exc)
         return outcome
 
     async def _run(self, call: CallState) -> Outcome:

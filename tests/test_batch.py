@@ -514,10 +514,14 @@ def test_sigterm_stops_the_run_and_resume_runs_each_call_once(
     assert "SIGTERM" in (tmp_path / "first.err").read_text()
     assert "run again with --resume" in (tmp_path / "first.out").read_text()
 
+    # Cut after a worker took them, an edit or bash may have done its side effect: resume
+    # skips those (in doubt) and runs the rest again.
+    doubtful = {r.call_id for r in shutdown if r.started and r.tool in ("edit", "bash")}
     started = time.monotonic()
     second = start_cli([*argv, "--resume"], tmp_path / "second")
     processes.append(second)
-    assert second.wait(DEADLINE_S) == 0, (tmp_path / "second.err").read_text()[-2000:]
+    code = second.wait(DEADLINE_S)
+    assert code == (1 if doubtful else 0), (tmp_path / "second.err").read_text()[-2000:]
     resumed_in = time.monotonic() - started
 
     scan = read_journal(journal)
@@ -527,13 +531,16 @@ def test_sigterm_stops_the_run_and_resume_runs_each_call_once(
         for r in scan.records
         if isinstance(r, OutcomeRecord) and r.killed_by != KilledBy.SHUTDOWN
     )
-    assert set(ran) == set(expected), "every line ran, and nothing else did"
+    assert set(ran) == set(expected) - doubtful, "every line ran but those in doubt"
     assert set(ran.values()) == {1}, "a call ran twice"
-    assert {r.call_id for r in shutdown} <= set(ran), "shutdown-cancelled calls ran on resume"
+    rerun = {r.call_id for r in shutdown} - doubtful
+    assert rerun <= set(ran), "shutdown-cancelled calls ran on resume"
     summary = (tmp_path / "second.out").read_text()
     finished_first = len(outcomes) - len(shutdown)
-    assert f"{SIGNAL_BATCH - finished_first} call(s) run" in summary
-    assert f"{finished_first} skipped" in summary
+    assert f"{SIGNAL_BATCH - finished_first - len(doubtful)} call(s) run" in summary
+    assert f"{finished_first + len(doubtful)} skipped" in summary
+    if doubtful:
+        assert f"skipped {len(doubtful)} call(s) in doubt" in summary
     print(f"stopped after {stopped_after:.1f} s; resumed {resumed_in:.1f} s")
 
 

@@ -43,6 +43,7 @@ from sandbx_pool.journal.records import (
     summarize_value,
 )
 from sandbx_pool.journal.store import Journal, JournalState
+from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
 
@@ -323,16 +324,32 @@ async def test_only_durable_intents_wait_for_the_disk(
     assert kinds == ["w1", "r1", "r1", "r1"]
 
 
-@pytest.mark.parametrize("policy", [JournalPolicy.BATCH, JournalPolicy.OFF])
+@pytest.mark.parametrize(
+    ("policy", "tool"),
+    [(JournalPolicy.BATCH, "read"), (JournalPolicy.OFF, "read"), (JournalPolicy.OFF, "bash")],
+)
 async def test_batch_and_off_never_wait_in_intent(
-    opened: Any, path: Path, blocked_fsync: threading.Event, policy: JournalPolicy
+    opened: Any, path: Path, blocked_fsync: threading.Event, policy: JournalPolicy, tool: str
 ) -> None:
     journal = await opened(policy=policy, group_commit_ms=60_000)
     for i in range(5):
-        await asyncio.wait_for(intent(journal, f"b{i}", "bash", command="rm -rf x"), DEADLINE_S)
+        await asyncio.wait_for(intent(journal, f"b{i}", tool, command="rm -rf x"), DEADLINE_S)
     blocked_fsync.set()
     await journal.flush()
     assert len(lines(path)) == 5
+
+
+async def test_batch_holds_a_side_effect_until_its_group_commit(
+    opened: Any, path: Path, fsyncs: list[int]
+) -> None:
+    # The contract under every policy that fsyncs: an intent is durable before its side
+    # effect starts. BATCH does not fsync it at once, but releases it with its group commit.
+    journal = await opened(policy=JournalPolicy.BATCH, group_commit_ms=200)
+    started = time.monotonic()
+    await asyncio.wait_for(intent(journal, "b1", "bash", command="echo x >> f"), DEADLINE_S)
+    assert time.monotonic() - started >= 0.15, "released before its group commit"
+    assert len(fsyncs) == 1
+    assert len(lines(path)) == 1
 
 
 async def test_off_never_fsyncs(opened: Any, path: Path, fsyncs: list[int]) -> None:
@@ -387,14 +404,21 @@ async def test_write_failure_is_reported_not_hung(
         return real(fd, data)
 
     monkeypatch.setattr(os, "write", full_disk)
-    with pytest.raises(JournalError, match="No space left"):
+    with pytest.raises(JournalWriteError, match=r"ENOSPC \(No space left") as raised:
         await intent(journal, "w1", "write", path="a", content="x")
+    assert raised.value.errno == errno.ENOSPC
+    assert str(path) in str(raised.value)
     assert journal.state is JournalState.FAILED
-    journal.outcome(outcome("w1", "write"))  # dropped, not raised: it runs in cleanup paths
-    with pytest.raises(JournalError):
-        await intent(journal, "r1")
-    await journal.close()
+    journal.outcome(outcome("w1", "write"))  # tried, not raised: it runs in cleanup paths
+    await intent(journal, "r1")  # a read's intent is not waited on
+    with pytest.raises(JournalWriteError):
+        await intent(journal, "w2", "write", path="a", content="x")
     monkeypatch.undo()
+    # The disk works again: so does the journal, without being reopened.
+    await intent(journal, "w3", "write", path="a", content="x")
+    assert journal.state is JournalState.OPEN
+    await journal.close()
+    assert [json.loads(line)["call_id"] for line in lines(path)] == ["w3"]
     again = await Journal.open(path, settings())  # the lock was released
     await again.close()
 

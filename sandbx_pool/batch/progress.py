@@ -158,9 +158,17 @@ async def showing(progress: Progress | None) -> AsyncIterator[None]:
 def format_summary(report: BatchReport) -> list[str]:
     """The table printed when a run ends: counts by status and tool, latency, slowest calls."""
     rate = len(report.results) / report.wall_s if report.wall_s > 0 else 0.0
+    skipped = ""
+    if report.in_doubt:
+        finished = report.skipped - len(report.in_doubt)
+        skipped = (
+            f"; {report.skipped} skipped ({finished} finished by an earlier run,"
+            f" {len(report.in_doubt)} in doubt)"
+        )
+    elif report.skipped:
+        skipped = f"; {report.skipped} skipped, finished by an earlier run"
     lines = [
-        f"{len(report.results)} call(s) run in {report.wall_s:.1f} s ({rate:.1f} calls/s)"
-        + (f"; {report.skipped} skipped, finished by an earlier run" if report.skipped else "")
+        f"{len(report.results)} call(s) run in {report.wall_s:.1f} s ({rate:.1f} calls/s)" + skipped
     ]
     if report.not_run:
         why = "stopped" if report.stopped else "not run"

@@ -13,10 +13,16 @@ lanes take no more specs; the calls in flight end as ``cancelled`` with killer `
 and are journaled like any outcome. A call refused because the pool closed under it
 (PoolClosed) was never journaled and simply counts as not run.
 
-Resume: ``finished_call_ids`` is what a resumed run skips. A call whose only outcomes are
-``cancelled`` by ``shutdown`` is *not* finished: the user stopped the run, not the call, and
-expects it to run on resume. Calls in doubt (an intent without an outcome: the coordinator was
-SIGKILLed or a second SIGINT exited at once) are not finished either and run again.
+Resume: ``resume_plan`` reads the journal of the earlier run and says what to skip. A call
+with an outcome other than a shutdown cancel is finished. The rest run again, unless running
+them again could repeat a side effect that may already have happened: an edit or bash call (see
+``IDEMPOTENT_TOOLS``) that was cancelled by a shutdown after a worker took it, or that has an
+intent and no outcome at all (the coordinator was SIGKILLed, or a second SIGINT exited at once).
+Such a call is *in doubt*: listed and skipped, unless ``rerun_started``; so are the calls
+that come ``after`` it (held back: not run, and counted so). A missing ``started``
+record proves nothing (it is written just after the call is sent to its worker), so an intent
+without an outcome counts as in doubt whether or not one was found. Calls the pool refused
+because the journal could not be written (reason ``JOURNAL_REFUSED``) never ran, and run again.
 """
 
 from __future__ import annotations
@@ -27,11 +33,18 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Final
 
+import msgspec
+
 from sandbx_pool.batch.calls import CallSpec
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.errors import PoolClosed, SandbxPoolError
 from sandbx_pool.journal.reader import read_journal
-from sandbx_pool.journal.records import OutcomeRecord
+from sandbx_pool.journal.records import (
+    IDEMPOTENT_TOOLS,
+    JOURNAL_REFUSED,
+    IntentRecord,
+    OutcomeRecord,
+)
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.pool import Pool
@@ -50,21 +63,61 @@ def is_shutdown_cancel(status: str, killed_by: str | None) -> bool:
 
 
 def finished_call_ids(path: str | os.PathLike[str]) -> set[str]:
-    """Call ids with an outcome other than a shutdown cancel: what ``run --resume`` skips."""
-    return {
-        record.call_id
-        for record in read_journal(path).records
-        if isinstance(record, OutcomeRecord)
-        and not is_shutdown_cancel(record.status, record.killed_by)
-    }
+    """Call ids with an outcome that says they ran (see ``ran_to_an_end``)."""
+    return resume_plan(path).finished
+
+
+def ran_to_an_end(record: OutcomeRecord) -> bool:
+    """An outcome after which the call needs no new run: not a shutdown cancel (the *run* was
+    stopped, not the call), not a refusal by a journal that could not be written."""
+    if is_shutdown_cancel(record.status, record.killed_by):
+        return False
+    return not (record.status == Status.ERROR and record.reason == JOURNAL_REFUSED)
+
+
+class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``run --resume`` skips: ``finished`` calls, and ``in_doubt`` ones (id -> tool)
+    whose side effect may have happened, unless they are re-run on purpose."""
+
+    finished: set[str]
+    in_doubt: dict[str, str]
+
+    def skip(self, *, rerun_started: bool) -> set[str]:
+        return self.finished if rerun_started else self.finished | set(self.in_doubt)
+
+
+def resume_plan(path: str | os.PathLike[str]) -> ResumePlan:
+    """Read the journal at ``path`` into a ResumePlan (see the module's docstring)."""
+    finished: set[str] = set()
+    doubtful: dict[str, str] = {}
+    open_intents: dict[str, str] = {}  # call id -> tool, for intents without an outcome yet
+    for record in read_journal(path).records:
+        if isinstance(record, IntentRecord):
+            open_intents[record.call_id] = record.tool
+        elif isinstance(record, OutcomeRecord):
+            open_intents.pop(record.call_id, None)
+            if ran_to_an_end(record):
+                finished.add(record.call_id)
+            elif record.started and record.tool not in IDEMPOTENT_TOOLS:
+                doubtful[record.call_id] = record.tool
+    for call_id, tool in open_intents.items():
+        if tool not in IDEMPOTENT_TOOLS:
+            doubtful[call_id] = tool
+    in_doubt = {call_id: tool for call_id, tool in doubtful.items() if call_id not in finished}
+    return ResumePlan(finished=finished, in_doubt=in_doubt)
 
 
 class BatchReport:
     """What a run did: every outcome, in the order they finished, and what did not run."""
 
-    def __init__(self, total: int, skipped: int) -> None:
+    def __init__(self, total: int, skipped: int, in_doubt: Collection[str] = ()) -> None:
         self.total = total  # calls in the file
-        self.skipped = skipped  # finished by an earlier run (--resume)
+        self.skipped = skipped  # finished by an earlier run, or in doubt (--resume)
+        # Skipped because an earlier run may have done their side effect (--resume): in file
+        # order. They have not run to an end, so a run that skips any is not complete.
+        self.in_doubt: list[str] = list(in_doubt)
+        # Not run because they come ``after`` a call in doubt (directly or not).
+        self.held: list[str] = []
         self.results: list[tuple[CallSpec, Outcome]] = []
         self.started_at = time.monotonic()
         self.wall_s = 0.0
@@ -90,7 +143,7 @@ class BatchReport:
     @property
     def complete(self) -> bool:
         """Every call of the file ran (now or in an earlier run), whatever its outcome."""
-        return self.not_run == 0
+        return self.not_run == 0 and not self.in_doubt
 
     def by_status(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -104,6 +157,7 @@ class BatchReport:
     def __repr__(self) -> str:
         return (
             f"<BatchReport [{len(self.results)} outcomes | {self.skipped} skipped | "
+            f"{len(self.in_doubt)} in doubt | "
             f"{self.not_run} not run{' | stopped' if self.stopped else ''}]>"
         )
 
@@ -114,6 +168,7 @@ async def run_batch(
     *,
     parallel: int,
     skip: Collection[str] = frozenset(),
+    in_doubt: Collection[str] = frozenset(),
     stop: asyncio.Event | None = None,
     on_submit: SubmitCallback | None = None,
     on_outcome: OutcomeCallback | None = None,
@@ -121,19 +176,23 @@ async def run_batch(
 ) -> BatchReport:
     """Run ``calls`` (minus ``skip``) through ``pool``, at most ``parallel`` at a time.
 
-    ``on_submit`` is called just before a call is handed to the pool, ``on_outcome`` when it
-    ends; ``tokens`` gives some calls a CancelToken. Returns when every call has run, or when
-    ``stop`` was set and the calls in flight have ended.
+    ``in_doubt`` are the ids among ``skip`` that are skipped because they may have run
+    (reported, not counted as finished). ``on_submit`` is called just before a call is handed
+    to the pool, ``on_outcome`` when it ends; ``tokens`` gives some calls a CancelToken.
+    Returns when every call has run, or when ``stop`` was set and the calls in flight have
+    ended.
     """
     if parallel < 1:
         raise ValueError("parallel must be at least 1")
     todo = [spec for spec in calls if spec.call_id not in skip]
-    report = BatchReport(total=len(calls), skipped=len(calls) - len(todo))
+    doubtful = [spec.call_id for spec in calls if spec.call_id in skip and spec.call_id in in_doubt]
+    report = BatchReport(total=len(calls), skipped=len(calls) - len(todo), in_doubt=doubtful)
     report.journal = pool.journal.path if pool.journal is not None else None
     # Only the calls something waits for need an event; the rest stay cheap.
     awaited = {dependency for spec in todo for dependency in spec.after}
     finished = {spec.call_id: asyncio.Event() for spec in todo if spec.call_id in awaited}
     queue = iter(todo)
+    held = set(doubtful)  # in doubt, or after a call in doubt: not run
     halt = asyncio.Event()  # our own reason to stop: the pool failed under us
 
     def stopping() -> bool:
@@ -143,11 +202,16 @@ async def run_batch(
         for spec in queue:  # shared: each spec is taken by exactly one lane, in file order
             try:
                 for dependency in spec.after:
-                    event = finished.get(dependency)  # None: skipped, finished in a past run
+                    event = finished.get(dependency)  # None: skipped (a past run, in doubt)
                     if event is not None:
                         await event.wait()
                 if stopping():
                     return
+                if held.intersection(spec.after):
+                    # What it comes after may or may not have happened: so may not this one.
+                    held.add(spec.call_id)
+                    report.held.append(spec.call_id)
+                    continue
                 if on_submit is not None:
                     on_submit(spec)
                 try:

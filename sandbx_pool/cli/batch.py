@@ -5,7 +5,9 @@ whatever their outcomes; 1 when the run could not go on (the worker template die
 failed or is locked by another run); 2 for a bad batch file, config file or usage, with a
 message naming the file, the line or the key; 128 + N when signal N stopped it (the calls in
 flight are cancelled with killer ``shutdown`` and journaled first; ``--resume`` runs them
-again).
+again, except edit and bash calls a worker had already taken: those may have done their side
+effect, so they are listed as in doubt and skipped unless ``--rerun-started``). A resumed run
+that skipped calls in doubt exits 1 and says how to re-run them.
 
 Settings: ``--config FILE`` is loaded first and the flags given on the command line override
 it (``--parallel`` sets ``pool.workers``); a flag not given leaves the file's value.
@@ -16,18 +18,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from sandbx_pool.batch.calls import BatchFile, BatchFileError, load_batch
 from sandbx_pool.config import Config, load_config
 from sandbx_pool.errors import ConfigError, SandbxPoolError
 from sandbx_pool.logs import logger
 
+if TYPE_CHECKING:
+    from sandbx_pool.batch.run import BatchReport, ResumePlan
+
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
 
 #: Argument warnings shown before a run; the rest are counted.
 SHOWN_WARNINGS: Final = 5
+
+#: Calls in doubt listed after a resumed run; the rest are counted.
+SHOWN_IN_DOUBT: Final = 20
 
 
 def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,7 +54,14 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     run.add_argument(
         "--resume",
         action="store_true",
-        help="skip the calls that finished in the journal (calls stopped by a signal run again)",
+        help="skip the calls that finished in the journal (calls stopped by a signal run"
+        " again; edit and bash calls that may have run are listed and skipped)",
+    )
+    run.add_argument(
+        "--rerun-started",
+        action="store_true",
+        help="with --resume: also run again the calls in doubt (they may have run already:"
+        " their side effect can happen twice)",
     )
     run.add_argument("--config", metavar="FILE", help="TOML settings; flags override them")
     run.set_defaults(func=_cmd_run)
@@ -92,33 +107,42 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _usage_error("run", str(exc))
     if args.resume and not args.journal:
         return _usage_error("run", "--resume needs --journal PATH (the journal of the earlier run)")
+    if args.rerun_started and not args.resume:
+        return _usage_error("run", "--rerun-started goes with --resume")
     # No check that the workspace exists: the coordinator never touches the workspace's
     # filesystem (a stat on a hung mount would hang the command before its first call); a
     # missing workspace shows in the calls' outcomes instead.
     try:
-        skip = _finished_before(args.journal, resume=args.resume)
+        plan = _earlier_run(args.journal, resume=args.resume)
     except OSError as exc:
         return _usage_error("run", f"cannot read journal {args.journal}: {exc.strerror or exc}")
     _warn_about_arguments(batch)
-    return _run(batch, config, args.workspace, args.journal, skip)
+    if plan is None:
+        return _run(batch, config, args, set(), set())
+    ids = {spec.call_id for spec in batch.calls}
+    in_doubt = set(plan.in_doubt) & ids
+    if in_doubt and args.rerun_started:
+        logger.warning("--rerun-started: running {} call(s) in doubt again", len(in_doubt))
+    return _run(batch, config, args, plan.skip(rerun_started=args.rerun_started), in_doubt)
 
 
-def _finished_before(journal: str | None, *, resume: bool) -> set[str]:
-    from sandbx_pool.batch.run import finished_call_ids
+def _earlier_run(journal: str | None, *, resume: bool) -> ResumePlan | None:
+    from sandbx_pool.batch.run import resume_plan
 
     if journal is None or not os.path.exists(journal):
         if resume:
             logger.info("--resume: {} does not exist yet; running every call", journal)
-        return set()
-    finished = finished_call_ids(journal)
-    if not resume and finished:
-        logger.warning(
-            "journal {} already has {} finished call(s); without --resume they run again",
-            journal,
-            len(finished),
-        )
-        return set()
-    return finished
+        return None
+    plan = resume_plan(journal)
+    if not resume:
+        if plan.finished:
+            logger.warning(
+                "journal {} already has {} finished call(s); without --resume they run again",
+                journal,
+                len(plan.finished),
+            )
+        return None
+    return plan
 
 
 def _warn_about_arguments(batch: BatchFile) -> None:
@@ -134,10 +158,10 @@ def _warn_about_arguments(batch: BatchFile) -> None:
 
 
 def _run(
-    batch: BatchFile, config: Config, workspace: str, journal: str | None, skip: set[str]
+    batch: BatchFile, config: Config, args: argparse.Namespace, skip: set[str], in_doubt: set[str]
 ) -> int:
     from sandbx_pool.batch.progress import Progress, format_summary, showing
-    from sandbx_pool.batch.run import BatchReport, run_batch
+    from sandbx_pool.batch.run import run_batch
     from sandbx_pool.pool import Pool
     from sandbx_pool.signals import Stopper, run_until_signalled
 
@@ -149,7 +173,7 @@ def _run(
             )
         report: BatchReport | None = None
         try:
-            pool = stopper.watch(Pool(workspace, journal=journal, config=config))
+            pool = stopper.watch(Pool(args.workspace, journal=args.journal, config=config))
             async with pool:
                 progress = Progress(todo)  # once the pool is up: the rate is the calls'
                 async with showing(progress):
@@ -158,6 +182,7 @@ def _run(
                         batch.calls,
                         parallel=config.workers(),
                         skip=skip,
+                        in_doubt=in_doubt if args.resume and not args.rerun_started else (),
                         stop=stopper.stopping,
                         on_outcome=lambda _, outcome: progress.record(outcome),
                     )
@@ -170,6 +195,8 @@ def _run(
             report.stopped = True
         # After the pool closed: the journal is flushed, so the summary's path is complete.
         print("\n".join(format_summary(report)), flush=True)
+        if report.in_doubt:
+            print("\n".join(_in_doubt_lines(report, batch, args)), flush=True)
         if report.not_run and report.journal:
             print(
                 f"resume with: sandbx-pool run {batch.path} --journal {report.journal} --resume",
@@ -178,6 +205,26 @@ def _run(
         return 0 if report.complete else EXIT_FAILED
 
     return run_until_signalled(main)
+
+
+def _in_doubt_lines(report: BatchReport, batch: BatchFile, args: argparse.Namespace) -> list[str]:
+    by_id = {spec.call_id: spec for spec in batch.calls}
+    lines = [
+        f"skipped {len(report.in_doubt)} call(s) in doubt: an earlier run started them and"
+        " never saw them end, so their side effect may have happened:"
+    ]
+    for call_id in report.in_doubt[:SHOWN_IN_DOUBT]:
+        spec = by_id[call_id]
+        lines.append(f"  {call_id}  {spec.tool}  (line {spec.line})")
+    if len(report.in_doubt) > SHOWN_IN_DOUBT:
+        lines.append(f"  ... and {len(report.in_doubt) - SHOWN_IN_DOUBT} more")
+    if report.held:
+        lines.append(f"held back {len(report.held)} call(s) that come after them")
+    lines.append(
+        f"check them, then run them again with: sandbx-pool run {batch.path}"
+        f" --journal {args.journal} --resume --rerun-started"
+    )
+    return lines
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -50,7 +50,8 @@ def add_journal_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     commands = journal.add_subparsers(dest="journal_command", required=True, metavar="COMMAND")
 
     doubt = commands.add_parser(
-        "in-doubt", help="calls with an intent and no outcome (the coordinator died)"
+        "in-doubt",
+        help="calls with an intent and no later outcome of the same id (the coordinator died)",
     )
     doubt.add_argument("path", metavar="PATH")
     doubt.set_defaults(func=_reading(_cmd_in_doubt))

@@ -115,11 +115,13 @@ def recover(fd: int, path: str) -> JournalScan:
 
 
 def in_doubt(scan: JournalScan, *, include_reported: bool = True) -> list[IntentRecord]:
-    """Intents with no outcome, in journal order.
+    """Intents not settled by a later outcome of the same call id, in journal order.
 
-    With ``include_reported=False``, intents that an earlier reopening already reported (an
+    An outcome settles every earlier intent of its call id: a resumed run that completes a call
+    left in doubt by a crash settles the crashed attempt too (one call id is in flight once at
+    a time; a second attempt exists only because the first one's coordinator is gone). With
+    ``include_reported=False``, intents that an earlier reopening already reported (an
     ``in_doubt`` record) are left out: that is the list of calls in flight at the latest crash.
-    A call id journaled twice is paired first-in first-out.
     """
     pending: dict[str, list[tuple[int, IntentRecord]]] = defaultdict(list)
     for position, record in enumerate(scan.records):
@@ -128,9 +130,7 @@ def in_doubt(scan: JournalScan, *, include_reported: bool = True) -> list[Intent
         elif isinstance(record, OutcomeRecord) or (
             isinstance(record, InDoubtRecord) and not include_reported
         ):
-            waiting = pending.get(record.call_id)
-            if waiting:
-                waiting.pop(0)
+            pending.pop(record.call_id, None)
     left = sorted(item for items in pending.values() for item in items)
     return [record for _, record in left]
 

@@ -32,6 +32,16 @@ from sandbx_pool.outcome import Outcome
 
 JOURNAL_VERSION: Final = 1
 
+#: The ``reason`` of an outcome whose call was not run because its intent could not be made
+#: durable (disk full, journal removed): nothing happened, so ``run --resume`` runs it again.
+JOURNAL_REFUSED: Final = "journal unavailable"
+
+#: Tools that may run again whatever happened the first time: the read-only ones, and write,
+#: which sets a file's whole content (running it twice leaves what running it once left, unless
+#: another call changed that file in between). edit and bash may not: a second run can apply
+#: a change twice (an append, a counter) or fail where the first succeeded.
+IDEMPOTENT_TOOLS: Final = frozenset({"read", "ls", "grep", "find", "write"})
+
 #: Strings in an outcome's value longer than this many bytes are summarised. Smaller than the
 #: argument limit on purpose: the caller already has the value; the journal keeps enough to
 #: account for the call (exit code, sizes, a hash to compare), not a second copy of the output.

@@ -8,9 +8,16 @@ journal. The thread that encodes, writes and group-commits is ``writer``; the re
 
 Durability by policy (``JournalSettings.policy``): ALWAYS fsyncs every record, and ``intent()``
 returns after its fsync; SIDE_EFFECTS does so only for the intents of write, edit and bash, and
-group-commits the rest within ``group_commit_ms``; BATCH group-commits everything; OFF writes
-and leaves flushing to the OS. Whatever the policy, ``intent()`` never blocks the event loop:
-it awaits a future the writer thread resolves.
+group-commits the rest within ``group_commit_ms``; BATCH group-commits everything, but the
+intent of a write, edit or bash still returns only once the group commit that holds it is done
+(the contract: an intent is durable before its side effect starts); OFF writes and leaves
+flushing to the OS. Whatever the policy, ``intent()`` never blocks the event loop: it awaits a
+future the writer thread resolves.
+
+When the disk fails (ENOSPC, EIO, EDQUOT) or the file is removed under the pool, ``intent()``
+raises ``JournalWriteError`` for the records that could not be made durable, and the pool
+refuses those calls if they have side effects. Nothing is failed for good: the next record is
+tried afresh, so the journal recovers as soon as the disk does.
 
 One coordinator writes a journal at a time. It holds an exclusive ``flock`` on ``PATH.lock``,
 which the kernel releases when the holder dies however it dies, so a crash never leaves a stale
@@ -49,7 +56,7 @@ class JournalState(enum.IntEnum):
     OPEN = 1
     CLOSING = 2
     CLOSED = 3
-    FAILED = 4  # a write or fsync failed: nothing more is written, intent() raises
+    FAILED = 4  # the latest write or fsync failed; the next record is tried again
 
 
 class Journal:
@@ -150,9 +157,10 @@ class Journal:
     ) -> None:
         """Journal a call about to be dispatched; return once it is as durable as required.
 
-        ALWAYS, and SIDE_EFFECTS for write/edit/bash: fsynced. Otherwise: queued. If the
-        awaiting task is cancelled the record is still written, so its call still needs an
-        outcome.
+        ALWAYS, and SIDE_EFFECTS for write/edit/bash: fsynced. BATCH for write/edit/bash: until
+        the group commit that holds it. Otherwise: queued. Raises ``JournalWriteError`` (path,
+        errno) when the record could not be made durable. If the awaiting task is cancelled the
+        record is still written, so its call still needs an outcome.
         """
         self._check_open()
         stamp = time.time()
@@ -175,18 +183,18 @@ class Journal:
         if call_id in self._open_calls:
             logger.warning("journal {}: second intent for open call {}", self.path, call_id)
         self._open_calls.add(call_id)
-        durable = self._policy is JournalPolicy.ALWAYS or (
+        if self._policy is JournalPolicy.ALWAYS or (
             self._policy is JournalPolicy.SIDE_EFFECTS and tool in SIDE_EFFECT_TOOLS
-        )
-        if durable:
+        ):
             await self._wait(make, sync=True)
+        elif self._policy is JournalPolicy.BATCH and tool in SIDE_EFFECT_TOOLS:
+            await self._wait(make, sync=False)  # released by the group commit that holds it
         else:
             self._put(make, sync=False)
 
     def started(self, call_id: str, pid: int) -> None:
         """Journal that worker ``pid`` received the call. Queued; returns at once."""
-        if not self._usable():
-            return
+        self._check_open()
         stamp = time.time()
         self._put(
             lambda: StartedRecord(call_id=call_id, time=stamp, pid=pid),
@@ -194,9 +202,11 @@ class Journal:
         )
 
     def outcome(self, outcome: Outcome) -> None:
-        """Journal how a call ended. Queued; group-committed within ``group_commit_ms``."""
-        if not self._usable():
-            return
+        """Journal how a call ended. Queued; group-committed within ``group_commit_ms``.
+
+        Tried even while the disk is failing: once it works again, the outcome is written
+        (lost otherwise, and its call then reads as in doubt: the safe side)."""
+        self._check_open()
         if outcome.call_id in self._open_calls:
             self._open_calls.remove(outcome.call_id)
         else:
@@ -213,19 +223,10 @@ class Journal:
     # -- the event loop's side of the queue --------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._writer.failure is not None:
-            raise JournalError(str(self._writer.failure))
+        # Using a closed journal is a bug. A failing disk is not checked here: each record is
+        # tried, and only intent() reports it, to the call it concerns.
         if self._closing is not None or self._writer.finished:
             raise JournalError(f"journal {self.path} is closed")
-
-    def _usable(self) -> bool:
-        # started() and outcome() run in the pool's cleanup paths: after a disk failure they
-        # drop the record (the failure was logged and raised to intent() already) rather than
-        # raise from a finally block. Using a closed journal is still a bug, and raises.
-        if self._writer.failure is not None:
-            return False
-        self._check_open()
-        return True
 
     def _put(self, make: RecordMaker | None, *, sync: bool, waiter: Waiter | None = None) -> None:
         self._check_open()

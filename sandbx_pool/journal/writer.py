@@ -19,6 +19,23 @@ why a side-effecting call's intent costs one fsync however many calls are in fli
 Records are written as soon as the thread takes them, even when their fsync is deferred: a
 coordinator killed outright still leaves them in the page cache, so only a machine crash can
 lose records the policy did not ask to make durable.
+
+A waiter is released once its record is as durable as the policy makes anything: after the
+fsync that covers it (right away when its entry asks for ``sync``, else at the group commit),
+or once written under OFF.
+
+Failures are per batch, not for good. A batch whose write or fsync fails releases its waiters
+with ``JournalWriteError`` (the path and the errno): their intents are not durable, so the pool
+does not run those calls. A partial write is cut back off the file, so the next record never
+lands glued to half a line. The next batch tries again from scratch: once the disk has room
+again, the journal works again without being reopened.
+
+Before each batch the writer also checks that the path still names the file it holds open
+(device, inode, link count) and that nobody cut the file shorter. A journal removed or replaced
+under the pool is re-created at its path (so is its lock file, re-locked); the new file starts
+with the intent and started records of the calls still in flight, so each outcome written to it
+follows its call's intent. If the lock cannot be taken again (another coordinator holds it now),
+batches fail, as on a full disk.
 """
 
 from __future__ import annotations
@@ -26,6 +43,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import errno
+import fcntl
 import os
 import queue
 import threading
@@ -37,12 +56,24 @@ import msgspec
 
 from sandbx_pool.config import JournalPolicy, JournalSettings
 from sandbx_pool.errors import JournalError
-from sandbx_pool.journal.records import IntentRecord, JournalRecord, OutcomeRecord, clip, encoder
+from sandbx_pool.journal.records import (
+    IntentRecord,
+    JournalRecord,
+    OutcomeRecord,
+    StartedRecord,
+    clip,
+    encoder,
+)
 from sandbx_pool.logs import logger
 
 #: Most entries the writer takes into one batch. Bounds how long the first waiter of a burst
 #: waits for its fsync while the thread encodes the rest.
 MAX_BATCH: Final = 4096
+
+#: Longest a batch nobody waits on goes without checking that the journal is still at its path
+#: (records that could land in a removed file meanwhile are those of read-only calls and
+#: outcomes; intents of side effects are always checked before they are written).
+CHECK_INTERVAL_S: Final = 0.1
 
 #: How long the exit hook waits for the writer of a journal nobody closed. Long enough for a
 #: final fsync on a slow disk, short enough that a hung disk cannot hold the interpreter hostage.
@@ -67,6 +98,14 @@ class Entry:
         self.queued_at = time.monotonic()
 
 
+class JournalWriteError(JournalError):
+    """A batch of records could not be made durable. ``errno`` is the OSError's, if any."""
+
+    def __init__(self, message: str, errno_: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno_
+
+
 class JournalWriter:
     """Owns the journal's file descriptors and the thread that writes to them.
 
@@ -80,7 +119,15 @@ class JournalWriter:
         self._fsync = settings.policy is not JournalPolicy.OFF
         self._fd = fd
         self._lock_fd = lock_fd
-        self.failure: JournalError | None = None
+        # Bytes of the file known to be whole records: where a failed write is cut back to,
+        # and what a shorter file (truncated under us) is measured against.
+        self._size = os.fstat(fd).st_size
+        self._checked_at = time.monotonic()
+        # The intent and started lines of calls without an outcome yet: what a re-created
+        # journal starts with. Only this thread touches it.
+        self._open_lines: dict[str, list[bytes]] = {}
+        #: The latest batch's failure; None again once a batch succeeds.
+        self.failure: JournalWriteError | None = None
         self.finished = False  # the thread drained the queue for the last time
         self._stopping = False
         # Orders submit() against the thread's last drain: nothing may be queued after it that
@@ -107,8 +154,8 @@ class JournalWriter:
     ) -> None:
         """Queue a record (or a barrier when ``make`` is None). ``sync``: fsync it promptly.
 
-        After a failure, records nobody waits for are dropped (the failure was logged and is
-        raised to whoever waits); once the thread is gone, waiters are resolved at once.
+        The waiter, if any, is released once the record is durable, or with the error that
+        kept it from being so. Once the thread is gone, waiters are resolved at once.
         """
         with self._lock:
             if stop:
@@ -116,8 +163,6 @@ class JournalWriter:
             if self.finished:
                 if waiter is not None:
                     settle(waiter, None if stop else self.closed_error())
-                return
-            if self.failure is not None and waiter is None and not stop:
                 return
             self._queue.put(Entry(make, sync=sync, waiter=waiter, stop=stop))
 
@@ -130,21 +175,30 @@ class JournalWriter:
             self._thread.join(EXIT_FLUSH_TIMEOUT_S)
 
     def closed_error(self) -> JournalError:
-        return self.failure or JournalError(f"journal {self.path} is closed")
+        return JournalError(f"journal {self.path} is closed")
 
     # -- the thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
         unsynced_since: float | None = None  # when the oldest written, un-synced record was queued
         stop_waiters: list[Waiter] = []
+        waiting: list[Waiter] = []  # released at the next fsync (or the next failure)
         try:
             while not self._stopping:
                 deadline = None if unsynced_since is None else unsynced_since + self._delay
+                entries = self._take(deadline)
+                error: JournalWriteError | None = None
+                try:
+                    # Before encoding: a re-created journal starts with the calls in flight
+                    # *before* this batch, whose records then follow.
+                    if self._check_due(entries):
+                        self._check_file()
+                except JournalWriteError as exc:
+                    error = exc
                 buffer = bytearray()
                 must_sync = False
-                waiters: list[Waiter] = []
-                for entry in self._take(deadline):
-                    if entry.make is not None and self.failure is None:
+                for entry in entries:
+                    if entry.make is not None:
                         self._encode(entry.make, buffer)
                         if unsynced_since is None:
                             unsynced_since = entry.queued_at
@@ -153,26 +207,39 @@ class JournalWriter:
                         self._stopping = True
                     if entry.waiter is not None:
                         # Stop waiters are released only once the files are closed (_finish).
-                        (stop_waiters if entry.stop else waiters).append(entry.waiter)
-                if self.failure is None:
-                    try:
-                        if buffer:
-                            self._write_all(buffer)
-                        if not self._fsync:
-                            unsynced_since = None
-                        elif unsynced_since is not None and (
-                            must_sync or time.monotonic() - unsynced_since >= self._delay
-                        ):
-                            # fdatasync suffices: an append's new size is data it flushes.
-                            os.fdatasync(self._fd)
-                            unsynced_since = None
-                    except OSError as exc:
-                        self._fail(exc)
-                for waiter in waiters:
-                    settle(waiter, self.failure)
+                        (stop_waiters if entry.stop else waiting).append(entry.waiter)
+                try:
+                    if error is not None:
+                        raise error
+                    if buffer:
+                        self._append(buffer)
+                    if not self._fsync:
+                        unsynced_since = None
+                    elif unsynced_since is not None and (
+                        must_sync
+                        or self._stopping
+                        or time.monotonic() - unsynced_since >= self._delay
+                    ):
+                        # fdatasync suffices: an append's new size is data it flushes. Never
+                        # retried: see _failed.
+                        self._sync("fdatasync", os.fdatasync, self._fd)
+                        unsynced_since = None
+                except JournalWriteError as exc:
+                    error = exc
+                    unsynced_since = None  # those records are lost or unknown: not waited on
+                    self._failed(exc)
+                else:
+                    if buffer and self.failure is not None:
+                        self._recovered()
+                if error is not None or unsynced_since is None:
+                    for waiter in waiting:
+                        settle(waiter, error)
+                    waiting = []
         except BaseException as exc:
             # A bug here must surface, not leave every later intent() waiting forever.
-            self._fail(exc)
+            self._failed(JournalWriteError(f"journal {self.path}: writer failed: {exc!r}"))
+            for waiter in waiting:
+                settle(waiter, self.failure)
             raise
         finally:
             self._finish(stop_waiters)
@@ -203,25 +270,171 @@ class JournalWriter:
             # record and say why its payload is missing, rather than lose the call.
             del buffer[start:]
             logger.warning("journal {}: {} record degraded: {}", self.path, record.call_id, exc)
-            encoder.encode_into(_degraded(record, exc), buffer, -1)
+            record = _degraded(record, exc)
+            encoder.encode_into(record, buffer, -1)
         buffer.extend(b"\n")
+        if isinstance(record, IntentRecord):
+            self._open_lines[record.call_id] = [bytes(buffer[start:])]
+        elif isinstance(record, StartedRecord):
+            if (lines := self._open_lines.get(record.call_id)) is not None:
+                lines.append(bytes(buffer[start:]))
+        elif isinstance(record, OutcomeRecord):
+            self._open_lines.pop(record.call_id, None)
 
-    def _write_all(self, buffer: bytearray) -> None:
-        view = memoryview(buffer)
-        while view:
-            written = os.write(self._fd, view)
-            if written <= 0:
-                raise OSError(f"write() wrote {written} bytes")
-            view = view[written:]
+    # -- the file ------------------------------------------------------------------------------
 
-    def _fail(self, exc: BaseException) -> None:
-        # After a failed fsync the page cache may have dropped the dirty pages: retrying could
-        # report success for records that are gone, so the journal stops for good.
-        with self._lock:
-            if self.failure is not None:
+    def _append(self, data: bytes | bytearray) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                if written <= 0:
+                    raise OSError(f"write() wrote {written} bytes")
+                view = view[written:]
+        except OSError as exc:
+            # A write that stopped halfway (ENOSPC) leaves half a line: cut it off, so the next
+            # record starts on a line of its own. If even that fails, the file is checked again
+            # (and cut) before the next write.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise self._error("write", exc) from exc
+        self._size += len(data)
+
+    def _sync(self, what: str, sync: Callable[[int], None], fd: int) -> None:
+        try:
+            sync(fd)
+        except OSError as exc:
+            raise self._error(what, exc) from exc
+
+    def _check_due(self, entries: list[Entry]) -> bool:
+        # Always before a record someone waits on (a side effect's intent, a flush): that is
+        # the contract. Otherwise at most every CHECK_INTERVAL_S: four stat calls per batch
+        # cost read-only bursts (many small batches) about a quarter of their speed.
+        if any(entry.sync or entry.waiter is not None for entry in entries):
+            return True
+        now = time.monotonic()
+        if now - self._checked_at < CHECK_INTERVAL_S or not entries:
+            return False
+        self._checked_at = now
+        return True
+
+    def _check_file(self) -> None:
+        """Make sure the records about to be written land in the journal at ``path``."""
+        try:
+            held = os.fstat(self._fd)
+            try:
+                named: os.stat_result | None = os.stat(self.path)
+            except FileNotFoundError:
+                named = None
+        except OSError as exc:
+            raise self._error("stat", exc) from exc
+        if named is None or held.st_nlink == 0 or not _same_file(named, held):
+            self._recreate("removed" if named is None else "replaced")
+            return
+        self._check_lock()
+        if held.st_size > self._size:
+            # The tail of a write that failed, whose cut failed too: only we write here.
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError as exc:
+                raise self._error("cut a torn write", exc) from exc
+        elif held.st_size < self._size:  # cut shorter under us: records may be gone
+            self._resume_at(held.st_size, "was truncated")
+
+    def _check_lock(self) -> None:
+        lock_path = self.path + ".lock"
+        try:
+            held = os.fstat(self._lock_fd)
+            named = os.stat(lock_path)
+            if held.st_nlink and _same_file(named, held):
                 return
-            self.failure = JournalError(f"journal {self.path}: write failed: {exc}")
-        logger.error("journal {}: write failed, journaling stopped: {}", self.path, exc)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._error("stat", exc) from exc
+        # Without its lock file, a second coordinator could take the journal: take it again.
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise self._error("re-create lock", exc) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise JournalWriteError(
+                f"journal {self.path}: its lock file was replaced and another coordinator"
+                f" holds the new one: {_describe(exc)}",
+                exc.errno,
+            ) from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.close(self._lock_fd)
+        self._lock_fd = fd
+        logger.warning("journal {}: its lock file was removed; re-created and locked", self.path)
+
+    def _recreate(self, how: str) -> None:
+        self._check_lock()
+        directory = os.path.dirname(self.path)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise self._error(f"re-create (it was {how})", exc) from exc
+        old, self._fd = self._fd, fd
+        with contextlib.suppress(OSError):
+            os.close(old)
+        logger.error(
+            "journal {} was {} under the pool: re-created it, starting with the {} call(s) in"
+            " flight",
+            self.path,
+            how,
+            len(self._open_lines),
+        )
+        self._resume_at(os.fstat(fd).st_size, "")
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._sync("fsync directory", os.fsync, dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _resume_at(self, size: int, note: str) -> None:
+        """Carry on at the end of a file that is not the one we wrote: end its last line, then
+        repeat the records of the calls in flight, so that their outcomes follow an intent."""
+        if note:
+            logger.error(
+                "journal {} {} under the pool ({} bytes, expected {})",
+                self.path,
+                note,
+                size,
+                self._size,
+            )
+        self._size = size
+        prefix = b""
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            prefix = b"\n"
+        if note or self._open_lines or prefix:
+            self._append(prefix + b"".join(b"".join(lines) for lines in self._open_lines.values()))
+
+    def _error(self, what: str, exc: OSError) -> JournalWriteError:
+        return JournalWriteError(f"journal {self.path}: {what} failed: {_describe(exc)}", exc.errno)
+
+    def _failed(self, exc: JournalWriteError) -> None:
+        # Never retry a failed fsync: the kernel may have dropped the dirty pages already and a
+        # second fsync would report success for records that are gone. The records of that
+        # batch count as not durable (their calls were refused); what recovers is the *next*
+        # batch, written and fsynced afresh.
+        with self._lock:
+            first = self.failure is None
+            self.failure = exc
+        if first:
+            logger.error(
+                "journal {}: records not durable, side effects refused: {}", self.path, exc
+            )
+
+    def _recovered(self) -> None:
+        with self._lock:
+            self.failure = None
+        logger.warning("journal {}: writing again", self.path)
 
     def _finish(self, stop_waiters: list[Waiter]) -> None:
         with self._lock:
@@ -244,6 +457,18 @@ class JournalWriter:
             settle(waiter, None)
 
 
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _describe(exc: OSError) -> str:
+    """``ENOSPC (No space left on device)``: the errno by name, for messages people grep."""
+    if exc.errno is None:
+        return str(exc)
+    name = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+    return f"{name} ({exc.strerror or os.strerror(exc.errno)})"
+
+
 def settle(waiter: Waiter, error: JournalError | None) -> None:
     """Resolve a waiter's future on its own loop, from any thread."""
     loop, future = waiter
@@ -256,6 +481,8 @@ def _resolve(future: asyncio.Future[None], error: JournalError | None) -> None:
         return
     if error is None:
         future.set_result(None)
+    elif isinstance(error, JournalWriteError):
+        future.set_exception(JournalWriteError(str(error), error.errno))
     else:
         future.set_exception(JournalError(str(error)))
 
