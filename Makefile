@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-fast bench soak lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --clear $(VENV)
@@ -31,6 +31,10 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# The fault soak: 10,000 calls while every fault a batch meets is injected (bench/faults.py).
+soak: $(STAMP)
+	$(BIN)/python -m bench.faults
 
 lint: $(STAMP)
 	$(BIN)/ruff check sandbx_pool workers tests bench

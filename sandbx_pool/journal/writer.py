@@ -27,8 +27,9 @@ or once written under OFF.
 Failures are per batch, not for good. A batch whose write or fsync fails releases its waiters
 with ``JournalWriteError`` (the path and the errno): their intents are not durable, so the pool
 does not run those calls. A partial write is cut back off the file, so the next record never
-lands glued to half a line. The next batch tries again from scratch: once the disk has room
-again, the journal works again without being reopened.
+lands glued to half a line, and the records it did not write go first in the next batch. The
+next batch tries again from scratch: once the disk has room again, the journal works again
+without being reopened, and no outcome is lost to the outage.
 
 Before each batch the writer also checks that the path still names the file it holds open
 (device, inode, link count) and that nobody cut the file shorter. A journal removed or replaced
@@ -69,6 +70,10 @@ from sandbx_pool.logs import logger
 #: Most entries the writer takes into one batch. Bounds how long the first waiter of a burst
 #: waits for its fsync while the thread encodes the rest.
 MAX_BATCH: Final = 4096
+
+#: Most bytes of records kept for the next batch while writes fail (a full disk): past it, a
+#: long outage drops them (logged) rather than growing the coordinator without bound.
+MAX_UNWRITTEN_BYTES: Final = 64 * 1024 * 1024
 
 #: Longest a batch nobody waits on goes without checking that the journal is still at its path
 #: (records that could land in a removed file meanwhile are those of read-only calls and
@@ -126,6 +131,7 @@ class JournalWriter:
         # The intent and started lines of calls without an outcome yet: what a re-created
         # journal starts with. Only this thread touches it.
         self._open_lines: dict[str, list[bytes]] = {}
+        self._unwritten = bytearray()  # records a failed write left, for the next batch
         #: The latest batch's failure; None again once a batch succeeds.
         self.failure: JournalWriteError | None = None
         self.finished = False  # the thread drained the queue for the last time
@@ -195,7 +201,10 @@ class JournalWriter:
                         self._check_file()
                 except JournalWriteError as exc:
                     error = exc
-                buffer = bytearray()
+                # What a failed write left unwritten goes first, in order: an outcome lost to a
+                # full disk would leave its call in doubt for good.
+                buffer, self._unwritten = self._unwritten, bytearray()
+                written = False
                 must_sync = False
                 for entry in entries:
                     if entry.make is not None:
@@ -213,6 +222,7 @@ class JournalWriter:
                         raise error
                     if buffer:
                         self._append(buffer)
+                    written = True
                     if not self._fsync:
                         unsynced_since = None
                     elif unsynced_since is not None and (
@@ -227,6 +237,8 @@ class JournalWriter:
                 except JournalWriteError as exc:
                     error = exc
                     unsynced_since = None  # those records are lost or unknown: not waited on
+                    if not written:
+                        self._keep_unwritten(buffer)
                     self._failed(exc)
                 else:
                     if buffer and self.failure is not None:
@@ -430,6 +442,22 @@ class JournalWriter:
             logger.error(
                 "journal {}: records not durable, side effects refused: {}", self.path, exc
             )
+
+    def _keep_unwritten(self, records: bytearray) -> None:
+        # Records never written (the write failed and was cut back, or the file check failed
+        # first) are tried again with the next batch. Their waiters were released with the
+        # error all the same: a side effect whose intent was late is refused, and its intent
+        # then lands followed by that refusal. Records that were written but whose fsync failed
+        # are not kept: they may be in the file already (see _failed).
+        if len(records) > MAX_UNWRITTEN_BYTES:
+            logger.error(
+                "journal {}: {} bytes of records could not be written and are dropped",
+                self.path,
+                len(records),
+            )
+            return
+        # A copy: the failed write's memoryview (kept alive by its traceback) pins the original.
+        self._unwritten = bytearray(records)
 
     def _recovered(self) -> None:
         with self._lock:
