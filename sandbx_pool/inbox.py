@@ -24,6 +24,7 @@ import zmq
 
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Status
+from sandbx_pool.remains import weakly
 from sandbx_pool.worker_handle import Worker
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Ready, worker_decoder
 
@@ -52,7 +53,8 @@ class Inbox:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(endpoint)
         self._fd = int(self._router.getsockopt(zmq.FD))
-        loop.add_reader(self._fd, self._receive)
+        # Weakly: the loop may outlive a pool dropped without close() (see remains.py).
+        loop.add_reader(self._fd, weakly(self._receive))
 
     def send(self, identity: bytes, payload: bytes) -> None:
         """Send to the worker connected as ``identity``; zmq.ZMQError if it is not (any more)."""
@@ -62,6 +64,16 @@ class Inbox:
         # ZeroMQ's FD is edge-triggered and a send can consume the edge of a message that
         # arrived meanwhile: look again once this turn of the loop is over.
         self._loop.call_soon(self._receive)
+
+    @property
+    def context(self) -> zmq.Context[zmq.Socket[bytes]] | None:
+        """The ZeroMQ context (for the pool's finalizer)."""
+        return self._context
+
+    @property
+    def socket(self) -> zmq.Socket[bytes] | None:
+        """The ROUTER socket (for the pool's finalizer)."""
+        return self._router
 
     def close(self) -> None:
         if self._fd is not None and self._loop is not None:
