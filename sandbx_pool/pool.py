@@ -58,7 +58,12 @@ from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
 from sandbx_pool.remains import Remains, release
-from sandbx_pool.runtime_dir import default_journal_path, make_private_dir, make_tmp_root
+from sandbx_pool.runtime_dir import (
+    default_journal_path,
+    make_private_dir,
+    make_tmp_root,
+    parent_pid,
+)
 from sandbx_pool.template import TemplateProcess
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
 from sandbx_pool.worker_set import WorkerSet
@@ -118,7 +123,7 @@ class Pool:
             spawn=self._spawn,
             room=descriptors.workers_that_fit,
         )
-        self._inbox = Inbox(self._workers.get, self._on_ready)
+        self._inbox = Inbox(self._workers.get, self._on_ready, self._is_worker)
         self._calls: dict[str, CallState] = {}
         self._drivers: set[asyncio.Task[Outcome]] = set()
         self._ids = itertools.count(1)
@@ -170,7 +175,7 @@ class Pool:
             endpoint = f"ipc://{self._runtime_dir}/coordinator.sock"
             self._inbox.bind(endpoint, self._loop)
             self._remains.zmq_context = self._inbox.context
-            self._remains.zmq_socket = self._inbox.socket
+            self._remains.zmq_sockets = self._inbox.sockets
             self._template = TemplateProcess(endpoint, self._on_template, self._on_template_lost)
             self._remains.launch = self._template.launch
             self._remains.sockets.append(self._template.socket)
@@ -451,6 +456,11 @@ class Pool:
         self, identity: bytes, message: Ready, known: Worker | None, peer_pid: int | None
     ) -> None:
         self._workers.on_ready(identity, message, known, peer_pid)
+
+    def _is_worker(self, pid: int) -> bool:
+        """Whether ``pid`` may stay connected to our socket: the template forked it."""
+        template = self._template.pid if self._template is not None else None
+        return template is not None and parent_pid(pid) == template
 
     def _on_template(self, message: FromTemplate) -> None:
         if isinstance(message, Spawned):

@@ -52,7 +52,7 @@ class Remains:
         # Both held here: weak references die before a finalizer runs, so the context cannot
         # find its socket by itself, and term() would wait for it forever.
         self.zmq_context: zmq.Context[Any] | None = None
-        self.zmq_socket: zmq.Socket[Any] | None = None
+        self.zmq_sockets: list[zmq.Socket[Any]] = []
         #: The pool's workers, by token (WorkerSet.by_token): their pidfds are ours to close.
         self.workers: dict[str, Any] = {}
         #: Synchronous closers of what has its own thread (the journal's writer: it flushes).
@@ -78,9 +78,9 @@ def release(remains: Remains) -> None:
         worker.release_pidfd()
     for sock in remains.sockets:
         sock.close()
-    if remains.zmq_socket is not None:
-        remains.zmq_socket.close(linger=0)
-        remains.zmq_socket = None
+    for zmq_socket in remains.zmq_sockets:
+        zmq_socket.close(linger=0)
+    remains.zmq_sockets = []
     context, remains.zmq_context = remains.zmq_context, None
     if context is not None and not context.closed:
         context.destroy(linger=0)

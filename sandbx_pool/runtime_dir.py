@@ -34,14 +34,24 @@ def runtime_root() -> str:
     return root
 
 
-def start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot), None if there is no such process."""
+def _stat_field(pid: int, index: int) -> int | None:
+    """Field ``index`` (0-based, counted after the command name) of /proc/PID/stat."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             # The command name (field 2) may hold spaces and parentheses: split after its end.
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            return int(f.read().rsplit(")", 1)[1].split()[index])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None if there is no such process."""
+    return _stat_field(pid, 19)
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid``, None if there is no such process."""
+    return _stat_field(pid, 1)
 
 
 def owner_tag() -> str:

@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -42,15 +43,19 @@ def is_dir(path: str) -> bool:
     return os.path.isdir(path)
 
 
-def run_coordinator(script: str, *args: str, nofile: int | None = None) -> subprocess.Popen[str]:
-    """Start ``script`` (Python) in a new interpreter, with RLIMIT_NOFILE = ``nofile`` if given."""
+def run_coordinator(
+    script: str, *args: str, nofile: int | None = None, hard_nofile: int | None = None
+) -> subprocess.Popen[str]:
+    """Start ``script`` (Python) in a new interpreter, with RLIMIT_NOFILE = ``nofile`` (soft)
+    and ``hard_nofile`` (hard; ``nofile`` if not given) if given."""
 
     def limit() -> None:
         if nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard_nofile or nofile))
 
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script), *args],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -94,6 +99,67 @@ def test_no_descriptor_for_even_one_worker_is_an_error_outcome(workspace: Path) 
     assert statuses == ["error"] * 32
     assert len(errors) == 1
     assert errors[0].startswith("out of file descriptors")
+
+
+STRANGERS_THEN_CALLS = """
+    import asyncio, json, sys
+    from conftest import marked_config
+    from sandbx_pool import Pool
+
+    async def main():
+        async with Pool(sys.argv[1], config=marked_config(pool={"workers": 4})) as pool:
+            print(pool._runtime_dir + "/coordinator.sock", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)  # the strangers have connected
+            outcomes = await asyncio.gather(
+                *(pool.call("read", {"path": "hello.txt"}) for _ in range(8))
+            )
+            print(json.dumps([o.status.value for o in outcomes]), pool._inbox.refused)
+
+    asyncio.run(main())
+"""
+
+
+def test_connections_from_strangers_are_refused_and_the_coordinator_lives(
+    workspace: Path,
+) -> None:
+    """1,100 idle connections to the ROUTER socket under the default soft limit of 1024 made
+    libzmq abort the coordinator. Now the soft limit is raised to the hard one, and a peer that
+    is not a worker is disconnected as it comes: they do not pile up."""
+    proc = run_coordinator(
+        _with_tests_path(STRANGERS_THEN_CALLS), str(workspace), nofile=1024, hard_nofile=4096
+    )
+    strangers: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        path = proc.stdout.readline().strip()
+        for _ in range(1100):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            strangers.append(conn)
+            conn.setblocking(False)
+            # A full backlog refuses with EAGAIN until libzmq accepts: the outside world.
+            wait_until_sync(lambda c=conn: connects(c, path), what="a connection accepted")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=CHILD_S)
+    finally:
+        for conn in strangers:
+            conn.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    statuses, refused = out.rsplit(" ", 1)
+    assert json.loads(statuses) == ["ok"] * 8
+    assert int(refused) >= 1000  # every stranger, but for those not yet seen when it ended
+
+
+def connects(conn: socket.socket, path: str) -> bool:
+    try:
+        conn.connect(path)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _with_tests_path(script: str) -> str:
