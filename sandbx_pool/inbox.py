@@ -112,6 +112,10 @@ class Inbox:
         """The ROUTER socket and its monitor (for the pool's finalizer)."""
         return [s for s in (self._monitor, self._router) if s is not None]
 
+    def watched_fds(self) -> list[int]:
+        """The descriptors the loop watches for us (for the pool's finalizer)."""
+        return [fd for fd in (self._fd, self._monitor_fd) if fd is not None]
+
     def close(self) -> None:
         if self._loop is not None:
             for fd in (self._fd, self._monitor_fd):

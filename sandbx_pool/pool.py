@@ -176,9 +176,12 @@ class Pool:
             self._inbox.bind(endpoint, self._loop)
             self._remains.zmq_context = self._inbox.context
             self._remains.zmq_sockets = self._inbox.sockets
+            self._remains.loop = self._loop
+            self._remains.reader_fds = self._inbox.watched_fds()
             self._template = TemplateProcess(endpoint, self._on_template, self._on_template_lost)
             self._remains.launch = self._template.launch
             self._remains.sockets.append(self._template.socket)
+            self._remains.reader_fds.append(self._template.socket.fileno())
             await self._template.start()
             self._template.prebuild_file_rules(self.workspace, self._sandbox)
         except BaseException:

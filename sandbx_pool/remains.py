@@ -18,6 +18,7 @@ Two rules make that work:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -57,6 +58,9 @@ class Remains:
         self.workers: dict[str, Any] = {}
         #: Synchronous closers of what has its own thread (the journal's writer: it flushes).
         self.stoppers: list[Callable[[], None]] = []
+        #: The loop and the descriptors it watches for us (the sockets above).
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.reader_fds: list[int] = []
 
 
 def release(remains: Remains) -> None:
@@ -71,6 +75,7 @@ def release(remains: Remains) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
         launch.stop.set()  # the thread reaps it and ends
+    _forget_readers(remains)
     for stop in remains.stoppers:
         stop()
     remains.stoppers = []
@@ -87,6 +92,26 @@ def release(remains: Remains) -> None:
     for directory in remains.dirs:
         shutil.rmtree(directory, ignore_errors=True)
     remains.dirs = []
+
+
+def _forget_readers(remains: Remains) -> None:
+    """Have a loop that lives on forget our descriptors before they are closed: a number it
+    still watched would be reused by the next socket, and registering that one would fail."""
+    loop, fds = remains.loop, remains.reader_fds
+    remains.reader_fds = []
+    if loop is None or loop.is_closed() or not fds:
+        return
+    try:
+        on_its_thread = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_its_thread = False
+    if on_its_thread:  # collected on the loop's own thread: at once
+        for fd in fds:
+            loop.remove_reader(fd)
+        return
+    for fd in fds:
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            loop.call_soon_threadsafe(loop.remove_reader, fd)
 
 
 def weakly(method: Callable[[], None]) -> Callable[[], None]:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, cast
 
@@ -295,6 +296,34 @@ def test_a_dropped_pool_is_released_when_collected(workspace: Path) -> None:
         lambda: not [t for t in threading.enumerate() if t.name.startswith("sandbx-")],
         what="the pool's threads gone",
     )
+
+
+async def test_a_pool_dropped_while_its_loop_runs_is_released_and_the_loop_serves_on(
+    workspace: Path,
+) -> None:
+    async def open_and_drop() -> tuple[int, str, weakref.ref[Pool]]:
+        pool = Pool(workspace, config=marked_config())
+        await pool.start()
+        assert (await pool.call("read", {"path": "hello.txt"})).ok
+        assert pool._template is not None
+        assert pool._template.pid is not None
+        assert pool._tmp_root is not None
+        return pool._template.pid, pool._tmp_root, weakref.ref(pool)
+
+    template_pid, tmp_root, ref = await open_and_drop()
+
+    def collected() -> bool:
+        # Callbacks already scheduled (a spawn request) hold it until the loop runs them.
+        gc.collect()
+        return ref() is None
+
+    await wait_until(collected, what="the dropped pool collected")
+    assert not is_dir(tmp_root)
+    await wait_until(lambda: not alive(template_pid), what="the template gone")
+    # The descriptors it watched were forgotten by the loop before being closed: the next
+    # pool's sockets reuse their numbers.
+    async with Pool(workspace, config=marked_config()) as pool:
+        assert (await pool.call("read", {"path": "hello.txt"})).ok
 
 
 def test_a_pool_never_closed_is_released_at_interpreter_exit(workspace: Path) -> None:
