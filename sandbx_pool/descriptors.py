@@ -10,7 +10,7 @@ end as ``error`` when not even one worker fits).
 
 Each live worker costs the coordinator ``PER_WORKER`` descriptors: its connection to the
 ROUTER socket (accepted by libzmq's I/O thread) and the pidfd that tells us of its death,
-measured in tests/test_descriptors.py. ``RESERVE`` is kept for everything else: the journal
+measured by tests/test_faults.py. ``RESERVE`` is kept for everything else: the journal
 (file and fsync thread), the loop's self-pipe, a log sink, connections from strangers that
 the inbox has not yet refused, and whatever the process hosting the pool opens meanwhile.
 """
@@ -27,13 +27,21 @@ PER_WORKER = 2
 RESERVE = 24
 
 
-def raise_soft_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard limit; return the soft limit now in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+#: RLIMIT_NOFILE as the process had it before the first pool raised it: what the template,
+#: and so every worker and command, gets back (a program may loop over every descriptor up to
+#: its soft limit; a million of them would make it crawl).
+_inherited: list[tuple[int, int]] = []
+
+
+def raise_soft_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; return the limits inherited (above)."""
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if not _inherited:
+        _inherited.append(limits)
+    soft, hard = limits
     if hard != resource.RLIM_INFINITY and soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        return hard
-    return soft
+    return _inherited[0]
 
 
 def soft_limit() -> int:

@@ -27,6 +27,13 @@ Actors:
 
 Scheduling decisions (which call gets which worker, how many to fork) are synchronous methods
 that update state; the I/O follows them.
+
+No single call, argument or fault ends the pool: a call is encoded (and refused if it cannot
+be) before a worker is taken (execution.encode_call); workers are forked only while the
+coordinator's descriptors can pay for them (descriptors.py); connections from anything but a
+worker are dropped (inbox.py); and what the pool holds outside memory is released by a
+finalizer if close() never runs (remains.py), or by the next pool if its process was killed
+(runtime_dir.py).
 """
 
 from __future__ import annotations
@@ -152,7 +159,7 @@ class Pool:
             raise PoolClosed("a pool is started once")
         self._loop = asyncio.get_running_loop()
         # Before anything is opened: libzmq aborts the process when it runs out (descriptors.py).
-        descriptors.raise_soft_limit()
+        inherited_nofile = descriptors.raise_soft_limit()
         self._runtime_dir = make_private_dir()
         self._remains.dirs.append(self._runtime_dir)
         try:
@@ -178,7 +185,9 @@ class Pool:
             self._remains.zmq_sockets = self._inbox.sockets
             self._remains.loop = self._loop
             self._remains.reader_fds = self._inbox.watched_fds()
-            self._template = TemplateProcess(endpoint, self._on_template, self._on_template_lost)
+            self._template = TemplateProcess(
+                endpoint, self._on_template, self._on_template_lost, nofile=inherited_nofile
+            )
             self._remains.launch = self._template.launch
             self._remains.sockets.append(self._template.socket)
             self._remains.reader_fds.append(self._template.socket.fileno())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -42,6 +43,7 @@ class TemplateProcess:
         endpoint: str,
         on_message: Callable[[FromTemplate], None],
         on_lost: Callable[[], None],
+        nofile: tuple[int, int] | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._on_message = on_message
@@ -61,7 +63,7 @@ class TemplateProcess:
         ]
         self._thread = threading.Thread(
             target=_keep_template,
-            args=(command, self._child_sock, self.launch),
+            args=(command, self._child_sock, self.launch, nofile),
             name="sandbx-template",
             daemon=True,
         )
@@ -184,10 +186,19 @@ class TemplateProcess:
         self._sock.close()
 
 
-def _keep_template(command: list[str], child_sock: socket.socket, launch: Launch) -> None:
+def _keep_template(
+    command: list[str],
+    child_sock: socket.socket,
+    launch: Launch,
+    nofile: tuple[int, int] | None,
+) -> None:
     """The template's thread: start it, then live as long as the pool (its PDEATHSIG is tied
     to this thread), then reap it. A function, not a method: a running thread is a root for
-    the collector, and must not keep the pool alive."""
+    the collector, and must not keep the pool alive.
+
+    ``nofile``: the RLIMIT_NOFILE the template gets (the one we had before raising ours). Set
+    from here, not by a preexec_fn (unsafe in a process with threads); it is in force before
+    the template forks its first worker, which it does only when we ask, after it is ready."""
     try:
         launch.process = subprocess.Popen(
             command,
@@ -196,6 +207,9 @@ def _keep_template(command: list[str], child_sock: socket.socket, launch: Launch
             # Own session: a Ctrl-C at our terminal reaches us, and we stop calls in order.
             start_new_session=True,
         )
+        if nofile is not None:
+            with contextlib.suppress(OSError):  # gone already: its start fails on its own
+                resource.prlimit(launch.process.pid, resource.RLIMIT_NOFILE, nofile)
     except BaseException as exc:
         launch.error = exc
     finally:

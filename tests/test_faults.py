@@ -22,7 +22,7 @@ import pytest
 from conftest import marked_config
 from helpers import wait_until, wait_until_sync
 
-from sandbx_pool import Limits, Pool
+from sandbx_pool import Limits, Pool, descriptors
 from sandbx_pool.outcome import Status
 from sandbx_pool.workers.procfs import children
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES
@@ -155,6 +155,26 @@ def test_connections_from_strangers_are_refused_and_the_coordinator_lives(
     assert int(refused) >= 1000  # every stranger, but for those not yet seen when it ended
 
 
+def test_commands_keep_the_descriptor_limit_the_process_had(workspace: Path) -> None:
+    """The coordinator raises its own soft limit; its commands keep the one it inherited."""
+    script = """
+        import asyncio, sys
+        from conftest import marked_config
+        from sandbx_pool import Pool
+
+        async def main():
+            async with Pool(sys.argv[1], config=marked_config()) as pool:
+                outcome = await pool.call("bash", {"command": "ulimit -Sn; ulimit -Hn"})
+            print(outcome.value["stdout"].split())
+
+        asyncio.run(main())
+    """
+    proc = run_coordinator(_with_tests_path(script), str(workspace), nofile=1024, hard_nofile=4096)
+    out, err = proc.communicate(timeout=CHILD_S)
+    assert proc.returncode == 0, err[-2000:]
+    assert out.strip() == "['1024', '4096']"
+
+
 def connects(conn: socket.socket, path: str) -> bool:
     try:
         conn.connect(path)
@@ -166,6 +186,19 @@ def connects(conn: socket.socket, path: str) -> bool:
 def _with_tests_path(script: str) -> str:
     tests = os.path.dirname(os.path.abspath(__file__))
     return f"import sys; sys.path.insert(0, {tests!r})\n" + textwrap.dedent(script)
+
+
+def test_a_worker_costs_the_coordinator_the_descriptors_budgeted(workspace: Path) -> None:
+    """descriptors.PER_WORKER is a measurement: idle workers, each connected, cost this many."""
+
+    async def open_with(spares: int) -> int:
+        config = marked_config(pool={"workers": max(spares, 1), "prefork": spares})
+        async with Pool(workspace, config=config) as pool:
+            await wait_until(lambda: len(pool._workers.idle) == spares, what="spares connected")
+            return descriptors.open_count()
+
+    none, six = asyncio.run(open_with(0)), asyncio.run(open_with(6))
+    assert six - none == 6 * descriptors.PER_WORKER
 
 
 # -- arguments -----------------------------------------------------------------------------
@@ -186,12 +219,20 @@ async def test_unencodable_arguments_take_no_worker(pool: Pool, tmp_path: Path) 
         ("read", {"path": "hello.txt"}, Limits(cpu_seconds=2**64 + 1)),  # beyond msgpack
         ("read", {"path": "hello.txt"}, Limits(open_files=2**63)),  # beyond rlim_t
     ]
+    refused = []
     for _ in range(3):
         for tool, args, limits in bad:
             outcome = await pool.call(tool, args, limits=limits)
             assert outcome.status is Status.ERROR, outcome
             assert not outcome.started
             assert "limits." in (outcome.error or "") or "encode" in (outcome.error or "")
+            refused.append(outcome.call_id)
+    # Journaled like any call: an intent, then its one outcome.
+    assert pool.journal is not None
+    await pool.journal.flush()
+    records = [json.loads(line) for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    for kind in ("intent", "outcome"):
+        assert [r["call_id"] for r in records if r["kind"] == kind] == refused
     # A good call still runs, and then only the spares are left: no worker was stranded.
     assert (await pool.call("read", {"path": "hello.txt"})).ok
     await wait_until(lambda: template_children(pool) == spares, what="only the spares left")
