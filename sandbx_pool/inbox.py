@@ -150,6 +150,10 @@ class Inbox:
         with conn, contextlib.suppress(OSError):
             if conn.family != socket.AF_UNIX or conn.getsockname() != self._path:
                 return
+            # The listening socket has that name too (and SO_PEERCRED says we made it): shut
+            # down, every later accept() would fail and libzmq abort.
+            if conn.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return
             cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
             pid = _UCRED.unpack(cred)[0]
             if not self._is_worker(pid):

@@ -128,7 +128,7 @@ class Pool:
             max_workers=self.max_workers,
             prefork=self.prefork,
             spawn=self._spawn,
-            room=descriptors.workers_that_fit,
+            room=descriptors.Budget(),
         )
         self._inbox = Inbox(self._workers.get, self._on_ready, self._is_worker)
         self._calls: dict[str, CallState] = {}
