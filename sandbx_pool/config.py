@@ -17,9 +17,16 @@ import msgspec
 from msgspec import Meta
 
 from sandbx_pool.errors import ConfigError
-from sandbx_pool.workers.protocol import Limits, Sandbox
+from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Limits, Sandbox
 
 MiB = 1024 * 1024
+
+#: The widest integer the protocol carries to a worker (msgpack int64, setrlimit's rlim_t).
+MAX_INT = 2**63 - 1
+
+#: A Result must fit in one frame: the worker answers ``output_limit`` past max_output_bytes
+#: plus 4 KiB of envelope (workers/runtime.py), so a larger setting could only crash calls.
+MAX_OUTPUT_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
 
 
 class JournalPolicy(enum.StrEnum):
@@ -43,7 +50,7 @@ class PoolSettings(_Section):
 
 class CallSettings(_Section):
     timeout_s: Annotated[float, Meta(gt=0)] | None = None
-    max_output_bytes: Annotated[int, Meta(ge=1024)] = 1 * MiB
+    max_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_BYTES)] = 1 * MiB
     grace_s: Annotated[float, Meta(ge=0)] = 1.0
     kill_wait_s: Annotated[float, Meta(gt=0)] = 0.5
 
@@ -70,12 +77,13 @@ class EnvSettings(_Section):
 
 
 class LimitSettings(_Section):
-    address_space_mb: Annotated[int, Meta(ge=16)] | None = None
+    # In MiB here, in bytes on the wire: the byte count must still fit in 63 bits.
+    address_space_mb: Annotated[int, Meta(ge=16, le=MAX_INT // MiB)] | None = None
     cpu_s: Annotated[int, Meta(ge=1)] | None = None
     open_files: Annotated[int, Meta(ge=16)] | None = None
-    file_size_mb: Annotated[int, Meta(ge=1)] | None = None
+    file_size_mb: Annotated[int, Meta(ge=1, le=MAX_INT // MiB)] | None = None
     #: Processes and threads one call may have at once (a pids cgroup per worker); 0: none.
-    processes: Annotated[int, Meta(ge=0)] = 1024
+    processes: Annotated[int, Meta(ge=0, le=MAX_INT)] = 1024
 
     def for_workers(self) -> Limits:
         """What each Call carries unless the call brings its own limits: bytes, not MiB."""
@@ -197,7 +205,28 @@ class Config(_Section):
         return _convert(data, "<override>")
 
 
+def _too_wide(data: Any, key: str = "") -> str | None:
+    """The first key holding an integer the protocol cannot carry, if any (TOML's are 64-bit
+    signed already; an override or a dict given in Python is not bounded at all)."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            found = _too_wide(value, f"{key}.{name}" if key else str(name))
+            if found is not None:
+                return found
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            found = _too_wide(value, f"{key}[{index}]")
+            if found is not None:
+                return found
+    elif isinstance(data, int) and not isinstance(data, bool) and abs(data) > MAX_INT:
+        return key
+    return None
+
+
 def _convert(data: Any, source: str) -> Config:
+    wide = _too_wide(data)
+    if wide is not None:
+        raise ConfigError(f"{source}: {wide}: an integer beyond 2**63-1")
     try:
         return msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
@@ -222,4 +251,8 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
         raise ConfigError(f"{source}: no such config file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 (byte {exc.start + 1})") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None
     return _convert(data, source)

@@ -7,6 +7,10 @@
 
 The kill request (token, task, timeout, shutdown, set by whoever decided it) is read from the
 call's state, never inferred from how the worker died.
+
+The Call is encoded by ``encode_call`` before a worker is taken: an argument msgpack cannot
+carry (a lone surrogate, an integer beyond 64 bits) or a message over the frame limit is an
+``error`` outcome of a call that never started, not a worker taken and then stranded.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
 from sandbx_pool.worker_handle import Worker, describe_stuck
-from sandbx_pool.workers.protocol import Call, encoder
+from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Call, Limits, encoder
 from sandbx_pool.workers.schemas import RUNS_PROGRAMS
 
 #: A worker's Result and its exit notice travel on different channels, so the exit may be seen
@@ -34,20 +38,62 @@ from sandbx_pool.workers.schemas import RUNS_PROGRAMS
 RESULT_IN_FLIGHT_S = 5.0
 CRASH_RESULT_GRACE_S = 0.05
 
+#: Largest value a limit may carry: setrlimit takes a signed 64-bit rlim_t in the worker.
+MAX_LIMIT = 2**63 - 1
+
 #: Sends one message to the worker of that ZeroMQ identity.
 Send = Callable[[bytes, bytes], None]
+
+
+class Unsendable(ValueError):
+    """The call cannot be put on the wire; its message says why, naming the argument."""
+
+
+def encode_call(call: CallState) -> bytes:
+    """The Call message for ``call`` (its context set), checked against what the wire and the
+    worker accept. Raises Unsendable."""
+    assert call.context is not None
+    _check_limits(call.context.limits)
+    message = Call(tool=call.tool, args=call.raw_args, context=call.context, secret=call.secret)
+    try:
+        payload = encoder.encode(message)
+    except UnicodeEncodeError as exc:
+        reason = f"a string is not valid Unicode ({exc.reason})"
+        raise Unsendable(f"cannot encode the call: {reason}") from None
+    # msgpack carries integers in 64 bits; msgspec refuses what does not fit, and anything that
+    # is not JSON-like data (a set, an object) with TypeError; nesting past its limit raises
+    # RecursionError. None of these may reach a worker.
+    except (OverflowError, TypeError, ValueError, RecursionError) as exc:
+        raise Unsendable(f"cannot encode the call: {exc}") from None
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise Unsendable(
+            f"the call is {len(payload)} bytes encoded, over the frame limit of"
+            f" {MAX_MESSAGE_BYTES} bytes"
+        )
+    return payload
+
+
+def _check_limits(limits: Limits) -> None:
+    for name in limits.__struct_fields__:
+        value = getattr(limits, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LIMIT:
+            raise Unsendable(f"limits.{name} must be an integer from 0 to 2**63-1, got {value!r}")
 
 
 async def execute(
     call: CallState,
     worker: Worker,
+    payload: bytes,
     *,
     send: Send,
     settings: CallSettings,
     journal: Journal | None,
 ) -> Outcome:
-    """Run ``call`` on ``worker`` (idle, connected) and return its one outcome."""
-    dispatch(call, worker, send)
+    """Run ``call`` on ``worker`` (idle, connected) and return its one outcome. ``payload`` is
+    ``encode_call(call)``."""
+    dispatch(call, worker, payload, send)
     if journal is not None and worker.pid is not None:
         journal.started(call.call_id, worker.pid)
     timer = None
@@ -100,16 +146,12 @@ async def execute(
     )
 
 
-def dispatch(call: CallState, worker: Worker, send: Send) -> None:
-    """Hand the call to its worker (and the worker to its call)."""
-    assert call.context is not None
+def dispatch(call: CallState, worker: Worker, payload: bytes, send: Send) -> None:
+    """Hand the call (``payload``, encoded) to its worker, and the worker to its call."""
     call.worker = worker
     worker.call = call
-    message = encoder.encode(
-        Call(tool=call.tool, args=call.raw_args, context=call.context, secret=call.secret)
-    )
     try:
-        send(worker.identity, message)
+        send(worker.identity, payload)
     except zmq.ZMQError as exc:
         # The worker vanished between Ready and now: its exit notice will end the call.
         logger.warning("cannot send call {} to worker {}: {}", call.call_id, worker.pid, exc)
@@ -127,4 +169,13 @@ async def stop_worker(call: CallState, worker: Worker, settings: CallSettings) -
     return stuck
 
 
-__all__ = ["CRASH_RESULT_GRACE_S", "RESULT_IN_FLIGHT_S", "dispatch", "execute", "stop_worker"]
+__all__ = [
+    "CRASH_RESULT_GRACE_S",
+    "MAX_LIMIT",
+    "RESULT_IN_FLIGHT_S",
+    "Unsendable",
+    "dispatch",
+    "encode_call",
+    "execute",
+    "stop_worker",
+]

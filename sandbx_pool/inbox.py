@@ -12,18 +12,33 @@ and receives its one Call.
 Whatever fails a check is dropped and logged: it never raises, never touches a call. The socket
 is read from the event loop's own reader callback (zmq.asyncio's futures and poller cost more
 per message than this whole path).
+
+Connections are bounded too. Each costs a descriptor, and libzmq aborts the process when an
+accept() meets EMFILE. The socket's directory is private (0700) and, when we are root, hidden
+from the calls by a mount; without root a call's command runs as our uid and can connect. So
+every accepted connection is vetted as libzmq reports it (its socket monitor, EVENT_ACCEPTED,
+carries the descriptor): one whose peer (SO_PEERCRED) is not a child of the template, i.e. not
+a worker, is shut down at once, and libzmq closes it on the EOF that follows. A stranger's
+connection thus lives one turn of the loop, and at most the descriptor budget's reserve of
+them can be open at a time unless they arrive faster than the loop runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import os
+import socket
+import struct
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Status
+from sandbx_pool.remains import weakly
 from sandbx_pool.worker_handle import Worker
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Ready, worker_decoder
 
@@ -34,14 +49,30 @@ _STATUSES = frozenset(status.value for status in Status)
 ReadyHandler = Callable[[bytes, Ready, "Worker | None", "int | None"], None]
 
 
+#: SO_PEERCRED's struct ucred: pid, uid, gid.
+_UCRED = struct.Struct("3i")
+
+
 class Inbox:
-    def __init__(self, find_worker: Callable[[str], Worker | None], on_ready: ReadyHandler) -> None:
+    def __init__(
+        self,
+        find_worker: Callable[[str], Worker | None],
+        on_ready: ReadyHandler,
+        is_worker: Callable[[int], bool] = lambda pid: True,
+    ) -> None:
         self._find_worker = find_worker
         self._on_ready = on_ready
+        #: Whether the process of that pid may stay connected (see the module docstring).
+        self._is_worker = is_worker
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self._router: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
         self._fd: int | None = None
+        self._monitor_fd: int | None = None
+        self._path = ""
+        #: Connections shut down because their peer was not a worker.
+        self.refused = 0
 
     def bind(self, endpoint: str, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -50,9 +81,17 @@ class Inbox:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_ACCEPTED)
         self._router.bind(endpoint)
+        self._path = endpoint.removeprefix("ipc://")
         self._fd = int(self._router.getsockopt(zmq.FD))
-        loop.add_reader(self._fd, self._receive)
+        self._monitor_fd = int(self._monitor.getsockopt(zmq.FD))
+        # Weakly: the loop may outlive a pool dropped without close() (see remains.py).
+        loop.add_reader(self._fd, weakly(self._receive))
+        loop.add_reader(self._monitor_fd, weakly(self._vet_connections))
+        # The FD signals a message only once ZeroMQ has seen the queue empty, which takes a
+        # first look: until then nothing would ever wake the reader above.
+        self._vet_connections()
 
     def send(self, identity: bytes, payload: bytes) -> None:
         """Send to the worker connected as ``identity``; zmq.ZMQError if it is not (any more)."""
@@ -63,14 +102,64 @@ class Inbox:
         # arrived meanwhile: look again once this turn of the loop is over.
         self._loop.call_soon(self._receive)
 
+    @property
+    def context(self) -> zmq.Context[zmq.Socket[bytes]] | None:
+        """The ZeroMQ context (for the pool's finalizer)."""
+        return self._context
+
+    @property
+    def sockets(self) -> list[zmq.Socket[bytes]]:
+        """The ROUTER socket and its monitor (for the pool's finalizer)."""
+        return [s for s in (self._monitor, self._router) if s is not None]
+
+    def watched_fds(self) -> list[int]:
+        """The descriptors the loop watches for us (for the pool's finalizer)."""
+        return [fd for fd in (self._fd, self._monitor_fd) if fd is not None]
+
     def close(self) -> None:
-        if self._fd is not None and self._loop is not None:
-            self._loop.remove_reader(self._fd)
-            self._fd = None
+        if self._loop is not None:
+            for fd in (self._fd, self._monitor_fd):
+                if fd is not None:
+                    self._loop.remove_reader(fd)
+            self._fd = self._monitor_fd = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
         if self._router is not None:
             self._router.close(linger=0)
         if self._context is not None:
             self._context.term()
+
+    def _vet_connections(self) -> None:
+        """Shut down each newly accepted connection whose peer is not a worker."""
+        monitor = self._monitor
+        if monitor is None or monitor.closed:
+            return
+        while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._vet(int(event["value"]))
+
+    def _vet(self, fd: int) -> None:
+        # A duplicate: the descriptor is libzmq's, and closing it under libzmq would be fatal.
+        # By now libzmq may have closed it and the number may be reused: only a connection to
+        # our socket's path is looked at, and that one is vetted on its own merits.
+        try:
+            conn = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        with conn, contextlib.suppress(OSError):
+            if conn.family != socket.AF_UNIX or conn.getsockname() != self._path:
+                return
+            # The listening socket has that name too (and SO_PEERCRED says we made it): shut
+            # down, every later accept() would fail and libzmq abort.
+            if conn.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return
+            cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+            pid = _UCRED.unpack(cred)[0]
+            if not self._is_worker(pid):
+                self.refused += 1
+                logger.warning("refused a connection from process {} (not a worker)", pid)
+                conn.shutdown(socket.SHUT_RDWR)
 
     def _receive(self) -> None:
         """Handle every message waiting on the socket (its FD became readable)."""

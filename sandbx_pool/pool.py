@@ -27,6 +27,13 @@ Actors:
 
 Scheduling decisions (which call gets which worker, how many to fork) are synchronous methods
 that update state; the I/O follows them.
+
+No single call, argument or fault ends the pool: a call is encoded (and refused if it cannot
+be) before a worker is taken (execution.encode_call); workers are forked only while the
+coordinator's descriptors can pay for them (descriptors.py); connections from anything but a
+worker are dropped (inbox.py); and what the pool holds outside memory is released by a
+finalizer if close() never runs (remains.py), or by the next pool if its process was killed
+(runtime_dir.py).
 """
 
 from __future__ import annotations
@@ -35,21 +42,21 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import math
 import os
-import shutil
 import signal
-import tempfile
 import time
+import weakref
 from typing import Any
 
 import msgspec
 
-from sandbx_pool import confine
+from sandbx_pool import confine, descriptors
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelCallback, CancelToken
 from sandbx_pool.config import Config, JournalPolicy, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
-from sandbx_pool.execution import execute
+from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
@@ -58,7 +65,14 @@ from sandbx_pool.journal.store import Journal
 from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
-from sandbx_pool.runtime_dir import default_journal_path, make_lock_dir, make_private_dir
+from sandbx_pool.remains import Remains, release
+from sandbx_pool.runtime_dir import (
+    default_journal_path,
+    make_lock_dir,
+    make_private_dir,
+    make_tmp_root,
+    parent_pid,
+)
 from sandbx_pool.template import TemplateProcess
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
 from sandbx_pool.worker_set import WorkerSet
@@ -115,15 +129,22 @@ class Pool:
         self._runtime_dir: str | None = None
         self._template: TemplateProcess | None = None
         self._workers = WorkerSet(
-            max_workers=self.max_workers, prefork=self.prefork, spawn=self._spawn
+            max_workers=self.max_workers,
+            prefork=self.prefork,
+            spawn=self._spawn,
+            room=descriptors.Budget(),
         )
-        self._inbox = Inbox(self._workers.get, self._on_ready)
+        self._inbox = Inbox(self._workers.get, self._on_ready, self._is_worker)
         self._calls: dict[str, CallState] = {}
         self._drivers: set[asyncio.Task[Outcome]] = set()
         self._ids = itertools.count(1)
         self._id_prefix = f"{os.getpid():x}-{int(time.time()):x}"
         self._template_lost = False
         self._closed = asyncio.Event()
+        # What close() releases, released by the collector (or at exit) if close() never runs.
+        self._remains = Remains()
+        self._remains.workers = self._workers.by_token
+        self._finalizer = weakref.finalize(self, release, self._remains)
 
     def __repr__(self) -> str:
         return f"<Pool [{self.state.name} | {self._workers!r}]>"
@@ -141,14 +162,19 @@ class Pool:
         if self.state is not PoolState.NEW:
             raise PoolClosed("a pool is started once")
         self._loop = asyncio.get_running_loop()
+        # Before anything is opened: libzmq aborts the process when it runs out (descriptors.py).
+        inherited_nofile = descriptors.raise_soft_limit()
         self._runtime_dir = make_private_dir()
+        self._remains.dirs.append(self._runtime_dir)
         try:
             # Parent of each call's private TMPDIR (the worker makes and removes its own; what
             # a killed call leaves goes with this on close). Searchable by a run_as user, not
             # listable: one call cannot find another's.
-            self._tmp_root = tempfile.mkdtemp(prefix="sandbx-tmp-")
+            self._tmp_root = make_tmp_root()
+            self._remains.dirs.append(self._tmp_root)
             os.chmod(self._tmp_root, 0o711 if self.config.sandbox.run_as else 0o700)
             self._lock_dir = make_lock_dir()
+            self._remains.dirs.append(self._lock_dir)
             hidden = (os.path.dirname(self._runtime_dir), self._lock_dir)
             self._sandbox = msgspec.structs.replace(
                 self.config.sandbox.for_workers(tmp_root=self._tmp_root, hidden=hidden),
@@ -157,11 +183,22 @@ class Pool:
             journal_path = self._journal_path or default_journal_path()
             if self.config.journal.policy is not JournalPolicy.OFF or self._journal_path:
                 self.journal = await Journal.open(journal_path, self.config.journal)
+                # Its writer's own synchronous stop (it flushes what is queued, then closes).
+                self._remains.stoppers.append(self.journal._writer.stop_at_exit)
             if self._journal_path is None and self.journal is not None:
                 logger.info("journal: {}", self.journal.path)
             endpoint = f"ipc://{self._runtime_dir}/coordinator.sock"
             self._inbox.bind(endpoint, self._loop)
-            self._template = TemplateProcess(endpoint, self._on_template, self._on_template_lost)
+            self._remains.zmq_context = self._inbox.context
+            self._remains.zmq_sockets = self._inbox.sockets
+            self._remains.loop = self._loop
+            self._remains.reader_fds = self._inbox.watched_fds()
+            self._template = TemplateProcess(
+                endpoint, self._on_template, self._on_template_lost, nofile=inherited_nofile
+            )
+            self._remains.launch = self._template.launch
+            self._remains.sockets.append(self._template.socket)
+            self._remains.reader_fds.append(self._template.socket.fileno())
             await self._template.start()
             self._template.prebuild_file_rules(self.workspace, self._sandbox)
         except BaseException:
@@ -184,16 +221,14 @@ class Pool:
         call = CallState(f"{self._id_prefix}-recovery", "_remove_temps", {"paths": paths}, 30.0)
         call.context = self._context(call, self.workspace)
         try:
+            payload = encode_call(call)
             worker = await self._acquire(call)
-        except WorkersFailToStart as exc:
+        except (WorkersFailToStart, Unsendable) as exc:
             # The pool is open all the same: its calls will meet the same error, and say so.
             logger.warning("could not remove leftovers of in-doubt writes: {}", exc)
             return
         assert worker is not None
-        try:
-            outcome = await self._execute(call, worker)
-        finally:
-            self._workers.release(worker)
+        outcome = await self._execute(call, worker, payload)
         if outcome.ok and outcome.value is not None:
             for path in outcome.value["removed"]:
                 logger.info(
@@ -219,6 +254,10 @@ class Pool:
             _, pending = await asyncio.wait(drivers, timeout=self.config.pool.close_timeout_s)
             for task in pending:
                 logger.warning("call {} did not finish while closing", task.get_name())
+                task.cancel()  # its driver settles it (cancelled, shutdown); see _drive
+            if pending:
+                # Bounded: what is left after cancellation is journaling the outcome.
+                await asyncio.wait(pending, timeout=self.config.pool.close_timeout_s)
         try:
             await self._teardown()
         finally:
@@ -234,22 +273,18 @@ class Pool:
 
     async def _teardown(self) -> None:
         self._workers.forking = False
+        self._workers.stop_retrying()
         self._workers.kill_all()
         if self._template is not None:
             await self._template.close()
         self._inbox.close()
         if self.journal is not None:
             await self.journal.close()
-        if self._runtime_dir is not None:
-            shutil.rmtree(self._runtime_dir, ignore_errors=True)
-        if self._tmp_root is not None:
-            shutil.rmtree(self._tmp_root, ignore_errors=True)
-        if self._lock_dir is not None:
-            shutil.rmtree(self._lock_dir, ignore_errors=True)
         for worker in self._workers.by_token.values():
             worker.stop_watching()
             if worker.state is WorkerState.QUARANTINED:
                 logger.warning("closing with stuck worker {}", describe_stuck(worker))
+        self._finalizer()  # the directories, and anything the steps above left: once
 
     # -- the public call -------------------------------------------------------------------
 
@@ -277,6 +312,11 @@ class Pool:
             raise PoolClosed("the pool is closed")
         if self._template_lost:
             raise TemplateLost("the worker template died; open a new pool")
+        _check_call_arguments(timeout, cwd, env, limits, call_id)
+        if call_id is not None and call_id in self._calls:
+            # Two calls under one id would share one journal entry and one slot in _calls:
+            # the first to end would hide the other from close() for good.
+            raise ValueError(f"call_id {call_id!r} is already in flight")
         call = CallState(
             call_id or f"{self._id_prefix}-{next(self._ids)}",
             tool,
@@ -345,6 +385,16 @@ class Pool:
                     )
         try:
             outcome = refused or await self._run(call)
+        except asyncio.CancelledError:
+            # Only close() cancels a driver, when the call outlived close_timeout_s: it still
+            # ends as one outcome, and its caller gets that outcome rather than a hang.
+            outcome = call.outcome(
+                Status.CANCELLED,
+                killed_by=KilledBy.SHUTDOWN,
+                reason="pool closed before the call ended",
+                started=call.worker is not None,
+                worker_pid=call.worker.pid if call.worker is not None else None,
+            )
         except Exception as exc:  # a coordinator bug must still end as exactly one outcome
             logger.exception("call {} failed in the coordinator", call.call_id)
             outcome = call.outcome(Status.CRASHED, error=f"coordinator error: {exc}")
@@ -367,6 +417,8 @@ class Pool:
             args = parse_args(call.tool, call.raw_args)
         except (UnknownTool, msgspec.ValidationError) as exc:
             return call.outcome(Status.ERROR, error=f"bad arguments: {exc}")
+        except RecursionError:
+            return call.outcome(Status.ERROR, error="bad arguments: nested too deeply")
         try:
             call_cwd = confine.resolve_cwd(self.workspace, call.cwd)
         except ValueError as exc:
@@ -377,6 +429,10 @@ class Pool:
         if denial is not None:
             return call.outcome(Status.DENIED, error=denial)
         call.context = self._context(call, call_cwd)
+        try:
+            payload = encode_call(call)
+        except Unsendable as exc:
+            return call.outcome(Status.ERROR, error=str(exc))
         if self.state is not PoolState.OPEN or self._template_lost:
             call.request_kill(KilledBy.SHUTDOWN, "pool closing")
         try:
@@ -385,14 +441,21 @@ class Pool:
             return call.outcome(Status.ERROR, error=str(exc))
         if worker is None:
             return self._killed_before_start(call)
+        return await self._execute(call, worker, payload)
+
+    async def _execute(self, call: CallState, worker: Worker, payload: bytes) -> Outcome:
+        send, settings, journal = self._inbox.send, self.config.calls, self.journal
         try:
-            return await self._execute(call, worker)
+            return await execute(
+                call, worker, payload, send=send, settings=settings, journal=journal
+            )
+        except BaseException:
+            # Whatever broke (a coordinator bug, close() giving up on the call), the worker
+            # may hold the call half-run: it is never handed another, so it must not outlive it.
+            worker.signal_group(signal.SIGKILL)
+            raise
         finally:
             self._workers.release(worker)
-
-    async def _execute(self, call: CallState, worker: Worker) -> Outcome:
-        send, settings, journal = self._inbox.send, self.config.calls, self.journal
-        return await execute(call, worker, send=send, settings=settings, journal=journal)
 
     def _killed_before_start(self, call: CallState) -> Outcome:
         assert call.killer is not None
@@ -426,6 +489,11 @@ class Pool:
         self, identity: bytes, message: Ready, known: Worker | None, peer_pid: int | None
     ) -> None:
         self._workers.on_ready(identity, message, known, peer_pid)
+
+    def _is_worker(self, pid: int) -> bool:
+        """Whether ``pid`` may stay connected to our socket: the template forked it."""
+        template = self._template.pid if self._template is not None else None
+        return template is not None and parent_pid(pid) == template
 
     def _on_template(self, message: FromTemplate) -> None:
         if isinstance(message, Spawned):
@@ -479,3 +547,26 @@ class Pool:
         """Workers that did not die after SIGKILL: the worker's pid and state, and the process
         the kernel holds (``stuck_pid``, the worker or a descendant) with where (``wchan``)."""
         return [worker.stuck_report() for worker in self._workers.quarantined()]
+
+
+def _check_call_arguments(
+    timeout: object, cwd: object, env: object, limits: object, call_id: object
+) -> None:
+    """Misuse of ``Pool.call`` is the caller's bug: a TypeError or ValueError, raised before
+    anything is journaled or forked (a tool's bad ``args`` are an outcome instead)."""
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    if cwd is not None and not isinstance(cwd, str):
+        raise TypeError(f"cwd must be a str or None, not {type(cwd).__name__}")
+    if env is not None and not (
+        isinstance(env, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise TypeError("env must be a dict of str to str, or None")
+    if limits is not None and not isinstance(limits, Limits):
+        raise TypeError(f"limits must be a Limits or None, not {type(limits).__name__}")
+    if call_id is not None and not (isinstance(call_id, str) and call_id):
+        raise TypeError(f"call_id must be a non-empty str or None, not {call_id!r}")

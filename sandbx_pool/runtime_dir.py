@@ -1,12 +1,28 @@
-"""Where a pool keeps its socket and its write locks (removed on close) and its journals (kept)."""
+"""Where a pool keeps its socket (private, removed on close), the parent of its calls' TMPDIRs
+and its write locks (removed on close) and its default journals (kept).
+
+A coordinator that is SIGKILLed never runs close(): its socket directory, its TMPDIR parent
+(tens of MB of what its calls left) and its lock directory would stay forever. So all three are
+named after their owner,
+``<prefix><pid>-<start>-<random>``, where ``start`` is the owner's start time (clock ticks since
+boot, field 22 of /proc/PID/stat), and the next pool started by the same user removes those
+whose owner is provably dead: no process with that pid, or one that started at another time (the
+pid was reused). A name that does not parse, or a live owner, is left alone.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
 import tempfile
 import time
+
+#: The prefixes of what a pool makes; the names continue with its owner (see above).
+SOCKET_DIR_PREFIX = "pool-"
+TMP_ROOT_PREFIX = "sandbx-tmp-"
+LOCK_DIR_PREFIX = "sandbx-locks-"
 
 
 def runtime_root() -> str:
@@ -20,23 +36,66 @@ def runtime_root() -> str:
     return root
 
 
+def _stat_field(pid: int, index: int) -> int | None:
+    """Field ``index`` (0-based, counted after the command name) of /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces and parentheses: split after its end.
+            return int(f.read().rsplit(")", 1)[1].split()[index])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None if there is no such process."""
+    return _stat_field(pid, 19)
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of process ``pid``, None if there is no such process."""
+    return _stat_field(pid, 1)
+
+
+def owner_tag() -> str:
+    """``<pid>-<start time>`` of this process, what names its directories."""
+    return f"{os.getpid()}-{start_time(os.getpid())}"
+
+
+def owner_is_dead(name: str, prefix: str) -> bool:
+    """Whether ``name`` (``<prefix><pid>-<start>-<random>``) was made by a process that is gone."""
+    parts = name[len(prefix) :].split("-") if name.startswith(prefix) else []
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        return False  # not ours, or made before names carried their owner: cannot prove it
+    return start_time(int(parts[0])) != int(parts[1])
+
+
+def remove_abandoned(directory: str, prefix: str) -> list[str]:
+    """Remove the directories under ``directory`` named ``prefix...`` whose owner is dead and
+    that belong to our uid; return their paths."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if not owner_is_dead(entry.name, prefix):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == os.getuid():
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.path)
+    return removed
+
+
 def make_private_dir() -> str:
-    """A fresh 0700 directory for one pool's ZeroMQ socket (ipc paths must stay short).
-
-    Its name carries our pid, so that directories left by a coordinator that was SIGKILLed
-    (close never ran) are recognised and removed by the next one.
-    """
+    """A fresh 0700 directory for one pool's ZeroMQ socket (ipc paths must stay short)."""
     root = runtime_root()
-    _remove_abandoned(root)
-    return tempfile.mkdtemp(prefix=f"pool-{os.getpid()}-", dir=root)
+    remove_abandoned(root, SOCKET_DIR_PREFIX)
+    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{owner_tag()}-", dir=root)
 
 
-def _remove_abandoned(root: str) -> None:
-    for name in os.listdir(root):
-        parts = name.split("-")
-        ours = len(parts) == 3 and parts[0] == "pool" and parts[1].isdigit()
-        if ours and not os.path.exists(f"/proc/{parts[1]}"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+def make_tmp_root() -> str:
+    """A fresh directory (mode 0700) for the private TMPDIRs of one pool's calls, in the system's
+    temporary directory; those of dead coordinators go first."""
+    remove_abandoned(tempfile.gettempdir(), TMP_ROOT_PREFIX)
+    return tempfile.mkdtemp(prefix=f"{TMP_ROOT_PREFIX}{owner_tag()}-")
 
 
 def make_lock_dir() -> str:
@@ -46,7 +105,8 @@ def make_lock_dir() -> str:
     worker must make and open lock files there, and must not remove another's. No call reaches
     it: the pool hides it from bash, and only the file tools' rules grant it.
     """
-    path = tempfile.mkdtemp(prefix="sandbx-locks-")
+    remove_abandoned(tempfile.gettempdir(), LOCK_DIR_PREFIX)
+    path = tempfile.mkdtemp(prefix=f"{LOCK_DIR_PREFIX}{owner_tag()}-")
     os.chmod(path, 0o1733)
     return path
 

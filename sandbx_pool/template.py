@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import socket
 import subprocess
 import threading
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from sandbx_pool.errors import TemplateLost
 from sandbx_pool.interpreter import CHILD_CWD, python_command
 from sandbx_pool.logs import logger
+from sandbx_pool.remains import Launch, weakly
 from sandbx_pool.workers.protocol import (
     FromTemplate,
     PrebuildFileRules,
@@ -41,18 +43,27 @@ class TemplateProcess:
         endpoint: str,
         on_message: Callable[[FromTemplate], None],
         on_lost: Callable[[], None],
+        nofile: tuple[int, int] | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._on_message = on_message
         self._on_lost = on_lost
         self._sock, self._child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock.setblocking(False)
-        self._process: subprocess.Popen[bytes] | None = None
-        self._start_error: BaseException | None = None
-        self._started = threading.Event()
-        self._stop = threading.Event()
+        #: What the thread shares with us; it holds nothing of ours, so that a pool dropped
+        #: without close() can be collected (see remains.py).
+        self.launch = Launch()
+        command = python_command(
+            "sandbx_pool.workers.template",
+            f"--control-fd={self._child_sock.fileno()}",
+            f"--endpoint={self._endpoint}",
+            f"--parent-pid={os.getpid()}",
+        )
         self._thread = threading.Thread(
-            target=self._thread_main, name="sandbx-template", daemon=True
+            target=_keep_template,
+            args=(command, self._child_sock, self.launch, nofile),
+            name="sandbx-template",
+            daemon=True,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[TemplateReady] | None = None
@@ -66,44 +77,15 @@ class TemplateProcess:
         self._pending_spawns = 0
         self._spawn_scheduled = False
 
-    def _thread_main(self) -> None:
-        try:
-            self._process = subprocess.Popen(
-                python_command(
-                    "sandbx_pool.workers.template",
-                    f"--control-fd={self._child_sock.fileno()}",
-                    f"--endpoint={self._endpoint}",
-                    f"--parent-pid={os.getpid()}",
-                ),
-                pass_fds=[self._child_sock.fileno()],
-                stdin=subprocess.DEVNULL,
-                cwd=CHILD_CWD,
-                # Own session: a Ctrl-C at our terminal reaches us, and we stop calls in order.
-                start_new_session=True,
-            )
-        except BaseException as exc:
-            self._start_error = exc
-        finally:
-            self._child_sock.close()
-            self._started.set()
-        # Live as long as the pool: the template's PDEATHSIG is tied to this thread.
-        self._stop.wait()
-        if self._process is not None:
-            try:
-                self._process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
-        self._loop.add_reader(self._sock.fileno(), self._on_readable)
+        self._loop.add_reader(self._sock.fileno(), weakly(self._on_readable))
         self._thread.start()
-        await asyncio.to_thread(self._started.wait)
-        if self._start_error is not None:
+        await asyncio.to_thread(self.launch.started.wait)
+        if self.launch.error is not None:
             self._loop.remove_reader(self._sock.fileno())
-            raise TemplateLost(f"cannot start the worker template: {self._start_error}")
+            raise TemplateLost(f"cannot start the worker template: {self.launch.error}")
         try:
             ready = await asyncio.wait_for(asyncio.shield(self._ready), START_TIMEOUT_S)
         except TimeoutError:
@@ -171,7 +153,7 @@ class TemplateProcess:
             self._sock.send(encoder.encode(Spawn(count=self._pending_spawns)))
         except BlockingIOError:
             self._spawn_scheduled = True
-            self._loop.add_writer(self._sock.fileno(), self._on_writable)
+            self._loop.add_writer(self._sock.fileno(), weakly(self._on_writable))
             return
         except OSError:
             self._lost()
@@ -183,9 +165,15 @@ class TemplateProcess:
         self._loop.remove_writer(self._sock.fileno())
         self._send_spawns()
 
+    @property
+    def socket(self) -> socket.socket:
+        """Our end of the control socketpair (for the pool's finalizer to close)."""
+        return self._sock
+
     def kill(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
+        process = self.launch.process
+        if process is not None and process.poll() is None:
+            process.kill()
 
     async def close(self) -> None:
         """Ask the template to kill its workers and exit; bounded, even if it is stuck."""
@@ -197,7 +185,46 @@ class TemplateProcess:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(self._sock.fileno())
                 self._loop.remove_writer(self._sock.fileno())
-        self._stop.set()
+        self.launch.stop.set()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 10)
         self._sock.close()
+
+
+def _keep_template(
+    command: list[str],
+    child_sock: socket.socket,
+    launch: Launch,
+    nofile: tuple[int, int] | None,
+) -> None:
+    """The template's thread: start it, then live as long as the pool (its PDEATHSIG is tied
+    to this thread), then reap it. A function, not a method: a running thread is a root for
+    the collector, and must not keep the pool alive.
+
+    ``nofile``: the RLIMIT_NOFILE the template gets (the one we had before raising ours). Set
+    from here, not by a preexec_fn (unsafe in a process with threads); it is in force before
+    the template forks its first worker, which it does only when we ask, after it is ready."""
+    try:
+        launch.process = subprocess.Popen(
+            command,
+            pass_fds=[child_sock.fileno()],
+            stdin=subprocess.DEVNULL,
+            cwd=CHILD_CWD,
+            # Own session: a Ctrl-C at our terminal reaches us, and we stop calls in order.
+            start_new_session=True,
+        )
+        if nofile is not None:
+            with contextlib.suppress(OSError):  # gone already: its start fails on its own
+                resource.prlimit(launch.process.pid, resource.RLIMIT_NOFILE, nofile)
+    except BaseException as exc:
+        launch.error = exc
+    finally:
+        child_sock.close()
+        launch.started.set()
+    launch.stop.wait()
+    if launch.process is not None:
+        try:
+            launch.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            launch.process.kill()
+            launch.process.wait()

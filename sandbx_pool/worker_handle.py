@@ -79,6 +79,13 @@ class Worker:
             os.close(self._pidfd)
             self._pidfd = None
 
+    def release_pidfd(self) -> None:
+        """Close the pidfd without the event loop: for a pool's finalizer, when the loop may be
+        closed or running on another thread (a closed descriptor leaves epoll by itself)."""
+        if self._pidfd is not None:
+            fd, self._pidfd = self._pidfd, None
+            os.close(fd)
+
     async def wait_gone(self, within_s: float) -> bool:
         """True once the process is dead, False if it is still alive after ``within_s``."""
         # Only a kill waits on the pidfd: a call that answered ends with the template's Exited

@@ -34,11 +34,26 @@ MAX_FAILED_STARTS = 5
 MAX_EARLY_READY = 1024
 
 
+#: While calls wait for descriptors and no worker is alive to free some: look again this often,
+#: this many times, then fail the waiting calls.
+STARVED_RETRY_S = 0.05
+MAX_STARVED_TRIES = 40
+
+
 class WorkerSet:
-    def __init__(self, *, max_workers: int, prefork: int, spawn: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        *,
+        max_workers: int,
+        prefork: int,
+        spawn: Callable[[int], None],
+        room: Callable[[], int] = lambda: MAX_EARLY_READY,
+    ) -> None:
         self.max_workers = max_workers
         self.prefork = prefork
         self._spawn = spawn
+        #: How many more workers the coordinator's descriptors can pay for (descriptors.py).
+        self._room = room
         #: False until the pool is open, and again once it closes or loses its template.
         self.forking = False
         self.by_token: dict[str, Worker] = {}
@@ -52,6 +67,9 @@ class WorkerSet:
         #: Workers that exited before connecting, in a row, for the calls waiting now.
         self.failed_starts = 0
         self._early_ready: dict[str, int | None] = {}
+        #: Looks at the descriptors again while calls wait for want of them (see _starved).
+        self._retry: asyncio.TimerHandle | None = None
+        self.starved_tries = 0
 
     def __repr__(self) -> str:
         return (
@@ -113,9 +131,46 @@ class WorkerSet:
         spares = 0 if self.starts_failing else min(self.prefork, self.max_workers)
         wanted = runnable + (spares if eager else min(spares, 1))
         missing = wanted - len(self.idle) - self.starting
+        if missing <= 0:
+            return
+        # Those still starting have not connected yet: their descriptors are not open yet.
+        room = self._room() - self.starting
+        if room < missing:
+            missing = max(0, room)
+            if missing == 0 and self.waiting:
+                self._starved()
         if missing > 0:
+            self.starved_tries = 0
             self.starting += missing
             self._spawn(missing)
+
+    def _starved(self) -> None:
+        """Calls wait and no descriptor is left for a worker. Look again shortly: a worker that
+        exited frees its connection on libzmq's thread, a moment after we hear of the exit.
+        With no worker left to free any, the waiting calls fail after a bounded wait."""
+        if self.live() == 0:
+            self.starved_tries += 1
+            if self.starved_tries > MAX_STARVED_TRIES:
+                self.starved_tries = 0
+                self._fail_waiting(
+                    WorkersFailToStart(
+                        "out of file descriptors: the coordinator cannot afford a worker"
+                        " (raise `ulimit -n`, or close what this process holds open)"
+                    )
+                )
+                return
+        if self._retry is None or self._retry.cancelled():
+            loop = asyncio.get_running_loop()
+            self._retry = loop.call_later(STARVED_RETRY_S, self._retried)
+
+    def _retried(self) -> None:
+        self._retry = None
+        self.replenish()
+
+    def live(self) -> int:
+        """Workers that hold descriptors of ours, or soon will: all but the exited."""
+        alive = (WorkerState.IDLE, WorkerState.BUSY, WorkerState.QUARANTINED)
+        return self.starting + sum(1 for w in self.by_token.values() if w.state in alive)
 
     def release(self, worker: Worker) -> None:
         """The call ``worker`` served is over (answered, killed or quarantined)."""
@@ -215,9 +270,12 @@ class WorkerSet:
             f"no worker could start: {MAX_FAILED_STARTS} in a row exited before connecting"
             f" (the last: {describe_exit(returncode)}); the template's stderr says why"
         )
-        logger.error("{}", error)
         # Each waiting call fails; a later call tries again, MAX_FAILED_STARTS forks at most,
         # and until one does, nothing is forked (replenish forks no spares meanwhile).
+        self._fail_waiting(error)
+
+    def _fail_waiting(self, error: WorkersFailToStart) -> None:
+        logger.error("{}", error)
         while self.waiting:
             self.waiting.popleft().assigned.set_exception(error)
 
@@ -236,6 +294,11 @@ class WorkerSet:
         for worker in list(self.by_token.values()):
             worker.signal_group(signal.SIGKILL)
             worker.mark_exited(-signal.SIGKILL)
+
+    def stop_retrying(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
 
     def kill_all(self) -> None:
         """SIGKILL every worker's group, except those already stuck in the kernel."""

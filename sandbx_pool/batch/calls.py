@@ -149,6 +149,8 @@ def _parse_line(
         item = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise _BadLine(f"bad JSON: {exc.msg} (column {exc.colno})") from None
+    except RecursionError:
+        raise _BadLine("bad JSON: nested too deeply") from None
     if not isinstance(item, dict):
         raise _BadLine(f"expected a JSON object, got {_json_type(item)}")
     unknown = sorted(set(item) - set(LINE_KEYS))
@@ -245,4 +247,6 @@ def _argument_warnings(calls: list[CallSpec]) -> list[LineProblem]:
             parse_args(spec.tool, spec.args)
         except (UnknownTool, msgspec.ValidationError) as exc:
             warnings.append(LineProblem(spec.line, f"{spec.tool}: {exc}"))
+        except RecursionError:
+            warnings.append(LineProblem(spec.line, f"{spec.tool}: arguments nested too deeply"))
     return warnings

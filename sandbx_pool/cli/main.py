@@ -53,13 +53,15 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def _cmd_call(args: argparse.Namespace) -> int:
+    from sandbx_pool.config import load_config
     from sandbx_pool.pool import Pool
     from sandbx_pool.signals import Stopper, run_until_signalled
 
     tool_args = _parse_pairs(args.tool, args.pairs)
+    config = load_config(args.config)  # a ConfigError here exits 2 (main), before any process
 
     async def one_call(stopper: Stopper) -> int:
-        pool = stopper.watch(Pool(args.workspace, journal=args.journal, config=args.config))
+        pool = stopper.watch(Pool(args.workspace, journal=args.journal, config=config))
         async with pool:
             outcome = await pool.call(args.tool, tool_args, timeout=args.timeout)
         print(json.dumps(outcome.to_dict(), indent=2))
@@ -125,11 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sandbx_pool.errors import ConfigError
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.verbose - args.quiet, args.log_json)
-    code: int = args.func(args)
+    try:
+        configure_logging(args.verbose - args.quiet, args.log_json)
+    except OSError as exc:
+        return _usage_error(f"--log-json {args.log_json}: {exc.strerror or exc}")
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        # Bad input is one line naming the file and the key, never a traceback.
+        return _usage_error(f"{args.command}: {exc}")
     return code
+
+
+def _usage_error(message: str) -> int:
+    """Print ``message`` on one line and return the usage exit status, 2."""
+    print(f"sandbx-pool {message}".replace("\n", " "), file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
