@@ -43,7 +43,8 @@ class PoolSettings(_Section):
 
 class CallSettings(_Section):
     timeout_s: Annotated[float, Meta(gt=0)] | None = None
-    max_output_bytes: Annotated[int, Meta(ge=1024)] = 1 * MiB
+    max_output_bytes: Annotated[int, Meta(ge=1024)] = 128 * MiB
+    keep_output_bytes: Annotated[int, Meta(ge=1024)] = 1 * MiB
     grace_s: Annotated[float, Meta(ge=0)] = 1.0
     kill_wait_s: Annotated[float, Meta(gt=0)] = 0.5
 

@@ -2,7 +2,8 @@
 
     send Call --> wait for the first of:
         Result          --> its status, value, error
-        kill request    --> stop the worker's group --> the killer's status
+        kill request    --> stop the worker's group --> the killer's status (bash: with the
+                            output until the kill, which its worker answers after SIGTERM)
         worker's exit   --> crashed (with its signal), unless a Result was still on its way
 
 The kill request (token, task, timeout, shutdown, set by whoever decided it) is read from the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 from typing import Any
 
@@ -70,7 +72,8 @@ async def execute(
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(call.result), grace)
     common: dict[str, Any] = {"started": True, "worker_pid": worker.pid}
-    if call.result.done():
+    # A stopped Result answers our own SIGTERM: the kill, not the Result, decides the status.
+    if call.result.done() and not (call.killer is not None and call.result.result().stopped):
         result = call.result.result()
         status = Status(result.status)
         if status is Status.OUTPUT_LIMIT:
@@ -86,6 +89,8 @@ async def execute(
     if call.killer is not None:
         if await stop_worker(call, worker, settings):
             common.update(quarantined=True, wchan=worker.wchan, stuck_pid=worker.stuck_pid)
+        else:
+            common["value"] = await partial_value(call, worker, settings)
         return call.outcome(
             STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason, **common
         )
@@ -100,13 +105,34 @@ async def execute(
     )
 
 
+async def partial_value(call: CallState, worker: Worker, settings: CallSettings) -> Any:
+    """After a kill, a bash call's output until then: its worker survives the SIGTERM and
+    answers (``Result.stopped``) before its clean exit, which is seen on another channel."""
+    if call.tool not in RUNS_PROGRAMS or settings.grace_s <= 0:
+        return None  # no SIGTERM was sent: the worker was killed without a word
+    if not call.result.done():
+        # The worker is dead by now: its exit notice follows at once.
+        either: set[asyncio.Future[Any]] = {call.result, worker.exited}
+        await asyncio.wait(either, timeout=settings.kill_wait_s, return_when=FIRST_COMPLETED)
+        if not call.result.done() and worker.exited.done() and worker.exited.result() == 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(call.result), RESULT_IN_FLIGHT_S)
+    return call.result.result().value if call.result.done() else None
+
+
 def dispatch(call: CallState, worker: Worker, send: Send) -> None:
     """Hand the call to its worker (and the worker to its call)."""
     assert call.context is not None
     call.worker = worker
     worker.call = call
     message = encoder.encode(
-        Call(tool=call.tool, args=call.raw_args, context=call.context, secret=call.secret)
+        Call(
+            tool=call.tool,
+            args=call.raw_args,
+            context=call.context,
+            secret=call.secret,
+            stream_output=call.on_output is not None,
+        )
     )
     try:
         send(worker.identity, message)
@@ -127,4 +153,11 @@ async def stop_worker(call: CallState, worker: Worker, settings: CallSettings) -
     return stuck
 
 
-__all__ = ["CRASH_RESULT_GRACE_S", "RESULT_IN_FLIGHT_S", "dispatch", "execute", "stop_worker"]
+__all__ = [
+    "CRASH_RESULT_GRACE_S",
+    "RESULT_IN_FLIGHT_S",
+    "dispatch",
+    "execute",
+    "partial_value",
+    "stop_worker",
+]
