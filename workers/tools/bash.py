@@ -47,6 +47,9 @@ from sandbx_pool.workers.schemas import BashArgs
 #: Bytes asked of a pipe per read: the pipe's default capacity, so one read usually empties it.
 _READ_BYTES = 64 * 1024
 
+#: How far from the marker the kept head and tail look for a line end to cut at.
+_LINE_REACH = 4096
+
 
 class _Kept:
     """One stream's first and last bytes: about ``keep`` bytes held, however many pass."""
@@ -78,12 +81,13 @@ class _Kept:
         omitted = self.total - len(head) - len(tail)
         if not omitted:
             return _decode(head + tail), 0
-        # Whole lines on either side of the marker, where a line end is in reach.
-        cut = head.rfind(b"\n") + 1
+        # Whole lines on either side of the marker, where a line end is in reach (a very
+        # long line is cut instead: dropping it whole could leave nothing to see).
+        cut = head.rfind(b"\n", len(head) - _LINE_REACH) + 1
         if cut:
             omitted += len(head) - cut
             head = head[:cut]
-        start = tail.find(b"\n") + 1
+        start = tail.find(b"\n", 0, _LINE_REACH) + 1
         if 0 < start < len(tail):
             omitted += start
             tail = tail[start:]
