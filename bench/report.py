@@ -405,9 +405,10 @@ def _bars(report: Report) -> str:
 
 
 def _streaming(result: StreamingResult) -> str:
+    named = (("bash, no callback", result.plain), ("bash, on_output", result.streamed))
     rows = [
         (name, str(samples.count), ms(samples.percentile_ms(50)), ms(samples.percentile_ms(95)))
-        for name, samples in (("bash, no callback", result.plain), ("bash, on_output", result.streamed))
+        for name, samples in named
     ]
     return (
         "## Streaming: `echo hi` with and without on_output\n\n"
