@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-SECTIONS = ("latency", "cancel", "throughput", "soak")
+SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming")
 
 
 @dataclass(frozen=True)
@@ -20,9 +20,12 @@ class Counts:
     cancels: int = 100
     throughput_calls: int = 2000
     soak_calls: int = 2000
+    streaming_calls: int = 400
 
 
-QUICK = Counts(latency_calls=60, cancels=20, throughput_calls=300, soak_calls=200)
+QUICK = Counts(
+    latency_calls=60, cancels=20, throughput_calls=300, soak_calls=200, streaming_calls=60
+)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loguru import logger
 
-    from bench import cancel, latency, report, soak, throughput
+    from bench import cancel, latency, report, soak, streaming, throughput
     from bench.procs import cpu_snapshot, leftovers, others_share
     from bench.workspace import MARKER, bench_workspace
 
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                 elif section == "soak":
                     calls = args.soak_calls or counts.soak_calls
                     result.soak = soak.run(ws, calls=calls, seed=args.seed)
+                elif section == "streaming":
+                    result.streaming = streaming.run(ws, calls=counts.streaming_calls)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

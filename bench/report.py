@@ -21,6 +21,7 @@ from bench.cancel import CancelResult
 from bench.latency import LatencyResult
 from bench.procs import Leftovers
 from bench.soak import KINDS, SoakResult
+from bench.streaming import StreamingResult
 from bench.throughput import ConnectionCost, ThroughputResult
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -37,6 +38,7 @@ class Report:
     cancel: CancelResult | None = None
     throughput: ThroughputResult | None = None
     soak: SoakResult | None = None
+    streaming: StreamingResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -402,6 +404,20 @@ def _bars(report: Report) -> str:
     return "## Bars\n\n" + table(("bar", "target", "measured", "met"), rows, "lrrr")
 
 
+def _streaming(result: StreamingResult) -> str:
+    named = (("bash, no callback", result.plain), ("bash, on_output", result.streamed))
+    rows = [
+        (name, str(samples.count), ms(samples.percentile_ms(50)), ms(samples.percentile_ms(95)))
+        for name, samples in named
+    ]
+    return (
+        "## Streaming: `echo hi` with and without on_output\n\n"
+        + table(("row", "calls", "p50", "p95"), rows, "lrrr")
+        + f"\n\nA callback costs {result.cost_pct:+.1f}% at p50. Without one the worker sends"
+        " no Output message; compare that row with an earlier commit's (bar: within 5%)."
+    )
+
+
 def render(report: Report) -> str:
     parts = [_header(report)]
     if report.latency is not None:
@@ -412,6 +428,8 @@ def render(report: Report) -> str:
         parts.append(_throughput(report.throughput))
     if report.soak is not None:
         parts.append(_soak(report.soak))
+    if report.streaming is not None:
+        parts.append(_streaming(report.streaming))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         TemplateLost,
     )
     from sandbx_pool.outcome import KilledBy, Outcome, Status
+    from sandbx_pool.output import OutputChunk
     from sandbx_pool.pool import Pool, PoolState
     from sandbx_pool.workers.protocol import Limits
     from sandbx_pool.workers.schemas import tool_schemas
@@ -56,6 +57,7 @@ _HOMES = {
     "KilledBy": "sandbx_pool.outcome",
     "Outcome": "sandbx_pool.outcome",
     "Status": "sandbx_pool.outcome",
+    "OutputChunk": "sandbx_pool.output",
     "Pool": "sandbx_pool.pool",
     "PoolState": "sandbx_pool.pool",
     "Limits": "sandbx_pool.workers.protocol",
@@ -72,6 +74,7 @@ __all__ = [
     "KilledBy",
     "Limits",
     "Outcome",
+    "OutputChunk",
     "Pool",
     "PoolClosed",
     "PoolNotStarted",

@@ -8,9 +8,11 @@ import signal
 import time
 from typing import Any
 
+from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
+from sandbx_pool.output import OutputCallback, OutputChunk
 from sandbx_pool.worker_handle import Worker
-from sandbx_pool.workers.protocol import ExecutionContext, Limits, Result
+from sandbx_pool.workers.protocol import ExecutionContext, Limits, Output, Result
 
 
 class CallState:
@@ -44,6 +46,8 @@ class CallState:
         self.reason: str | None = None
         # Only the worker this call is sent to learns it; its Result must carry it back.
         self.secret = secrets.token_hex(16)
+        #: The caller's on_output: the worker streams only when there is one.
+        self.on_output: OutputCallback | None = None
 
     def request_kill(self, killer: KilledBy, reason: str | None = None) -> None:
         # The first killer wins and is recorded here, before any signal is sent.
@@ -51,6 +55,19 @@ class CallState:
             self.killer = killer
             self.reason = reason
             self.kill_requested.set_result(None)
+
+    def deliver_output(self, message: Output) -> None:
+        """Hand a chunk of output to the caller's callback, now; a callback that raises
+        loses its chunk, never the call."""
+        if self.on_output is None:
+            return
+        chunk = OutputChunk(
+            call_id=self.call_id, stream=message.stream, data=message.data, dropped=message.dropped
+        )
+        try:
+            self.on_output(chunk)
+        except Exception:
+            logger.exception("call {}: the on_output callback raised", self.call_id)
 
     def outcome(self, status: Status, **fields: Any) -> Outcome:
         return Outcome(

@@ -50,7 +50,10 @@ class PoolSettings(_Section):
 
 class CallSettings(_Section):
     timeout_s: Annotated[float, Meta(gt=0)] | None = None
-    max_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_BYTES)] = 1 * MiB
+    # A flood's kill threshold; no more than keep_output_bytes of each stream is ever kept.
+    max_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_INT)] = 128 * MiB
+    # Both streams' kept parts travel in one Result frame: each at most half of it.
+    keep_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_BYTES // 2)] = 1 * MiB
     grace_s: Annotated[float, Meta(ge=0)] = 1.0
     kill_wait_s: Annotated[float, Meta(gt=0)] = 0.5
 

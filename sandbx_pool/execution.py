@@ -2,7 +2,8 @@
 
     send Call --> wait for the first of:
         Result          --> its status, value, error
-        kill request    --> stop the worker's group --> the killer's status
+        kill request    --> stop the worker's group --> the killer's status (bash: with the
+                            output until the kill, which its worker answers after SIGTERM)
         worker's exit   --> crashed (with its signal), unless a Result was still on its way
 
 The kill request (token, task, timeout, shutdown, set by whoever decided it) is read from the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +56,13 @@ def encode_call(call: CallState) -> bytes:
     worker accept. Raises Unsendable."""
     assert call.context is not None
     _check_limits(call.context.limits)
-    message = Call(tool=call.tool, args=call.raw_args, context=call.context, secret=call.secret)
+    message = Call(
+        tool=call.tool,
+        args=call.raw_args,
+        context=call.context,
+        secret=call.secret,
+        stream_output=call.on_output is not None,
+    )
     try:
         payload = encoder.encode(message)
     except UnicodeEncodeError as exc:
@@ -116,7 +124,8 @@ async def execute(
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(call.result), grace)
     common: dict[str, Any] = {"started": True, "worker_pid": worker.pid}
-    if call.result.done():
+    # A stopped Result answers our own SIGTERM: the kill, not the Result, decides the status.
+    if call.result.done() and not (call.killer is not None and call.result.result().stopped):
         result = call.result.result()
         status = Status(result.status)
         if status is Status.OUTPUT_LIMIT:
@@ -132,6 +141,8 @@ async def execute(
     if call.killer is not None:
         if await stop_worker(call, worker, settings):
             common.update(quarantined=True, wchan=worker.wchan, stuck_pid=worker.stuck_pid)
+        else:
+            common["value"] = await partial_value(call, worker, settings)
         return call.outcome(
             STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason, **common
         )
@@ -144,6 +155,21 @@ async def execute(
         limit="cpu" if returncode == -signal.SIGXCPU else None,
         **common,
     )
+
+
+async def partial_value(call: CallState, worker: Worker, settings: CallSettings) -> Any:
+    """After a kill, a bash call's output until then: its worker survives the SIGTERM and
+    answers (``Result.stopped``) before its clean exit, which is seen on another channel."""
+    if call.tool not in RUNS_PROGRAMS or settings.grace_s <= 0:
+        return None  # no SIGTERM was sent: the worker was killed without a word
+    if not call.result.done():
+        # The worker is dead by now: its exit notice follows at once.
+        either: set[asyncio.Future[Any]] = {call.result, worker.exited}
+        await asyncio.wait(either, timeout=settings.kill_wait_s, return_when=FIRST_COMPLETED)
+        if not call.result.done() and worker.exited.done() and worker.exited.result() == 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(call.result), RESULT_IN_FLIGHT_S)
+    return call.result.result().value if call.result.done() else None
 
 
 def dispatch(call: CallState, worker: Worker, payload: bytes, send: Send) -> None:
@@ -177,5 +203,6 @@ __all__ = [
     "dispatch",
     "encode_call",
     "execute",
+    "partial_value",
     "stop_worker",
 ]

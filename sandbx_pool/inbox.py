@@ -6,6 +6,8 @@ and receives its one Call.
                                                         | Ready:  from the pid forked for its token
                                                         | Result: for the call the worker has,
                                                         |         with that call's secret
+                                                        | Output: the same checks, then the
+                                                        |         call's on_output (output.py)
                                                         v
                                         WorkerSet.on_ready / the call's result future
 
@@ -40,7 +42,14 @@ from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Status
 from sandbx_pool.remains import weakly
 from sandbx_pool.worker_handle import Worker
-from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Ready, worker_decoder
+from sandbx_pool.workers.protocol import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Output,
+    Ready,
+    Result,
+    worker_decoder,
+)
 
 _STATUSES = frozenset(status.value for status in Status)
 
@@ -193,12 +202,16 @@ class Inbox:
         worker = self._find_worker(identity.decode(errors="replace"))
         if isinstance(message, Ready):
             self._on_ready(identity, message, worker, peer_pid)
-        elif worker is None or worker.call is None:
-            logger.warning("dropped a result from a worker with no call")
+            return
+        kind = "result" if isinstance(message, Result) else "output"
+        if worker is None or worker.call is None:
+            logger.warning("dropped a {} from a worker with no call", kind)
         elif message.call_id != worker.call.call_id:
-            logger.warning("dropped a result for the wrong call from worker {}", worker.pid)
+            logger.warning("dropped a {} for the wrong call from worker {}", kind, worker.pid)
         elif not hmac.compare_digest(message.secret.encode(), worker.call.secret.encode()):
-            logger.warning("dropped a result without its call's secret (worker {})", worker.pid)
+            logger.warning("dropped a {} without its call's secret (worker {})", kind, worker.pid)
+        elif isinstance(message, Output):
+            worker.call.deliver_output(message)
         elif message.status not in _STATUSES:
             logger.warning("dropped a result of unknown status {!r}", message.status)
         elif not worker.call.result.done():

@@ -65,6 +65,7 @@ from sandbx_pool.journal.store import Journal
 from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
+from sandbx_pool.output import OutputCallback
 from sandbx_pool.remains import Remains, release
 from sandbx_pool.runtime_dir import (
     default_journal_path,
@@ -86,7 +87,7 @@ from sandbx_pool.workers.protocol import (
     Spawned,
     SpawnFailed,
 )
-from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS, UnknownTool, parse_args
+from sandbx_pool.workers.schemas import RUNS_PROGRAMS, SIDE_EFFECT_TOOLS, UnknownTool, parse_args
 
 
 class PoolState(enum.IntEnum):
@@ -299,12 +300,14 @@ class Pool:
         env: dict[str, str] | None = None,
         limits: Limits | None = None,
         call_id: str | None = None,
+        on_output: OutputCallback | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
 
         ``timeout`` counts from the moment a worker takes the call (time queued behind
         ``workers`` busy ones does not count). Cancelling the awaiting task kills the call;
-        the CancelledError is re-raised once the worker is gone.
+        the CancelledError is re-raised once the worker is gone. ``on_output`` is called on
+        the loop with each OutputChunk a bash command writes, while it runs (sandbx_pool.output).
         """
         if self.state is PoolState.NEW:
             raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
@@ -326,6 +329,7 @@ class Pool:
             env,
             limits,
         )
+        call.on_output = on_output
         # Subscribing to a token that is already cancelled requests the kill at once, so the
         # call is refused before anything is forked.
         unsubscribe = cancel.subscribe(self._token_callback(call)) if cancel else None
@@ -519,9 +523,19 @@ class Pool:
             cwd=cwd,
             env=self.config.env.for_call(call.env),
             limits=call.limits or self.config.limits.for_workers(),
-            max_output_bytes=self.config.calls.max_output_bytes,
+            max_output_bytes=self._max_output_bytes(call.tool),
             sandbox=self._sandbox or Sandbox(),
+            keep_output_bytes=self.config.calls.keep_output_bytes,
+            grace_s=self.config.calls.grace_s,
         )
+
+    def _max_output_bytes(self, tool: str) -> int:
+        """bash keeps head and tail and is killed only past max_output_bytes (a flood); the
+        other tools return whole results, which keep_output_bytes bounds as it bounds bash's."""
+        calls = self.config.calls
+        if tool in RUNS_PROGRAMS:
+            return calls.max_output_bytes
+        return min(calls.max_output_bytes, calls.keep_output_bytes)
 
     @property
     def in_doubt(self) -> list[IntentRecord]:

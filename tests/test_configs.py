@@ -85,7 +85,7 @@ def test_batch_eval_is_tuned_for_unattended_runs() -> None:
         ("[journal]\npolicy = 'sometimes'\n", "journal.policy"),
         ("[pool]\nworkers = 0\n", "pool.workers"),
         # Beyond what a frame carries back, or a worker's setrlimit takes.
-        ("[calls]\nmax_output_bytes = 314572800\n", "calls.max_output_bytes"),
+        ("[calls]\nkeep_output_bytes = 41943040\n", "calls.keep_output_bytes"),
         ("[limits]\ncpu_s = 99999999999999999999999\n", "limits.cpu_s"),
         ("[limits]\naddress_space_mb = 9223372036854775807\n", "limits.address_space_mb"),
     ],

@@ -427,10 +427,11 @@ def test_cli_bad_inputs_exit_2_with_one_line(tmp_path: Path, workspace: Path) ->
     )
 
     wide = tmp_path / "wide.toml"
-    wide.write_text("[calls]\nmax_output_bytes = 314572800\n")  # 300 MiB: over a frame
+    # 40 MiB kept of each stream: two of them cannot travel in one 64 MiB frame.
+    wide.write_text("[calls]\nkeep_output_bytes = 41943040\n")
     assert_one_line_error(
         cli("call", "read", "path=hello.txt", "--config", str(wide), cwd=workspace),
-        "calls.max_output_bytes",
+        "calls.keep_output_bytes",
     )
 
     (tmp_path / "a-file").write_text("")  # a file where the log's directory should be

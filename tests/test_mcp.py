@@ -496,3 +496,21 @@ def test_schema_command_prints_the_mcp_definitions_the_server_lists() -> None:
     definitions = json.loads(printed.stdout)
     assert [d["name"] for d in definitions] == list(TOOL_ARGS)
     assert all(d["inputSchema"] == tool_parameters()[d["name"]] for d in definitions)
+
+
+async def test_bash_output_arrives_as_progress_while_the_call_runs(server: ServerSetup) -> None:
+    notes: list[tuple[float, float, str | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        notes.append((anyio.current_time(), progress, message))
+
+    async with connect(server) as (session, _):
+        command = "echo first; sleep 2; echo second"
+        result = await session.call_tool(
+            "bash", {"command": command}, progress_callback=on_progress
+        )
+        ended = anyio.current_time()
+    assert not result.is_error
+    assert [message for _, _, message in notes] == ["first\n", "second\n"]
+    assert [progress for _, progress, _ in notes] == [6, 13]  # characters so far: increasing
+    assert ended - notes[0][0] >= 1.0

@@ -107,3 +107,23 @@ def test_close_leaves_nothing_and_is_idempotent(workspace: Path) -> None:
     environment.close()
     environment.close()
     assert not environment._thread.is_alive()
+
+
+def test_output_is_merged_in_order_and_kept_past_a_timeout(env: SandbxEnvironment) -> None:
+    # As LocalEnvironment: stderr into stdout, in the order written...
+    assert env.execute({"command": "echo a; echo b >&2; echo c"})["output"] == "a\nb\nc\n"
+    # ...and what a command printed before it hung is what tells the model why.
+    timed_out = env.execute({"command": "echo partial; sleep 100"}, timeout=1)
+    assert timed_out["returncode"] == -1
+    assert timed_out["output"] == "partial\n"
+    with pytest.raises(subprocess.TimeoutExpired) as caught:
+        env.execute("echo partial-v1; sleep 100", timeout=1)
+    assert caught.value.output == "partial-v1\n"
+
+
+def test_a_large_output_keeps_head_and_tail(env: SandbxEnvironment) -> None:
+    result = env.execute({"command": "seq 1 3000000"})
+    assert result["returncode"] == 0
+    assert result["output"].startswith("1\n2\n")
+    assert result["output"].endswith("2999999\n3000000\n")
+    assert "bytes omitted ...]" in result["output"]

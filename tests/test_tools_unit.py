@@ -579,6 +579,7 @@ def test_bash_output_and_exit_codes(ctx: ExecutionContext, ws: Path) -> None:
         "signal": None,
         "stdout": "out\n",
         "stderr": "err\n",
+        "omitted_bytes": 0,
     }
     assert call(ctx, "bash", command="exit 3")["exit_code"] == 3
     killed = call(ctx, "bash", command="kill -TERM $$")

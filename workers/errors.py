@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ToolError(Exception):
     """The tool ran and failed (file not found, old_string not unique...): status ``error``.
@@ -12,9 +14,13 @@ class ToolError(Exception):
 
     status = "error"
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: str | None = None, value: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
+        #: What the tool has to show for itself all the same (bash: the output until the kill).
+        self.value = value
 
 
 class Denied(ToolError):

@@ -74,6 +74,12 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     limits: Limits = Limits()
     max_output_bytes: int = 1024 * 1024
     sandbox: Sandbox = Sandbox()
+    #: bash keeps this many bytes of each stream: the first half and the last half, the middle
+    #: replaced by one line saying how much was omitted (``max_output_bytes`` is the flood kill).
+    keep_output_bytes: int = 1024 * 1024
+    #: The coordinator's SIGTERM grace (CallSettings.grace_s): a stopped bash call answers with
+    #: the output it has before the SIGKILL that follows (workers.stopping).
+    grace_s: float = 1.0
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
@@ -96,6 +102,8 @@ class Call(Message, tag="call"):
     #: Made by the coordinator for this call only; the Result must carry it back. The worker
     #: keeps it in its own (non-dumpable) memory: never in the tool's environment or files.
     secret: str = ""
+    #: Send the command's output as it comes (``Output`` messages), for a caller's on_output.
+    stream_output: bool = False
 
 
 class Result(Message, tag="result"):
@@ -109,9 +117,24 @@ class Result(Message, tag="result"):
     secret: str = ""
     #: The errno name (``"ENOENT"``) behind an ``error``, when an OS error was its cause.
     error_code: str | None = None
+    #: The worker answered after the coordinator's SIGTERM: ``value`` holds what the command
+    #: printed until it was stopped, and the coordinator's kill decides the status.
+    stopped: bool = False
 
 
-WorkerMessage = Ready | Result
+class Output(Message, tag="output"):
+    """Output of a running command (Call.stream_output): ``data`` as it came, after
+    ``dropped`` bytes of the same stream that a fast writer produced past the stream's
+    bound (workers.streaming) and that were not sent."""
+
+    call_id: str
+    stream: Literal["stdout", "stderr"]
+    data: str
+    dropped: int = 0
+    secret: str = ""
+
+
+WorkerMessage = Ready | Result | Output
 CoordinatorMessage = Call
 
 

@@ -3,12 +3,15 @@
     (join its pids cgroup: workers.template) -> rehearse -> prepare the confinement
     -> connect DEALER -> send Ready -> receive Call -> cap its processes (pids.max)
     -> confine (workers.sandbox) -> apply limits
-    -> run the tool -> kill whatever the tool left running -> send Result -> exit
+    -> run the tool (bash: Output messages as it prints, when the call streams)
+    -> kill whatever the tool left running -> send Result -> exit
 
 The worker's ZeroMQ connection (workers.zmtp: a DEALER speaking ZMTP itself, no libzmq context
 and so no threads) is made here, after the fork: nothing of it crosses a fork.
-It never decides a cancel or a timeout itself: the coordinator kills its process group. The one
-kill it decides is an output overflow, which it records in the Result before killing.
+It never decides a cancel or a timeout itself: the coordinator kills its process group (a bash
+call's worker survives the SIGTERM that comes first and answers with the output so far:
+workers.stopping). The one kill it decides is an output flood, which it records in the Result
+before killing.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool.workers import cgroups, containment, sandbox, zmtp
+from sandbx_pool.workers import cgroups, containment, sandbox, stopping, streaming, zmtp
 from sandbx_pool.workers.errors import LimitExceeded, ToolError
 from sandbx_pool.workers.protocol import (
     MAX_MESSAGE_BYTES,
@@ -131,7 +134,13 @@ def run_call(call: Call) -> Result:
     except LimitExceeded as exc:
         return Result(call_id=ctx.call_id, status="error", error=str(exc), limit=exc.limit)
     except ToolError as exc:
-        return Result(call_id=ctx.call_id, status=exc.status, error=str(exc), error_code=exc.code)
+        return Result(
+            call_id=ctx.call_id,
+            status=exc.status,
+            value=exc.value,
+            error=str(exc),
+            error_code=exc.code,
+        )
     except MemoryError:
         return Result(
             call_id=ctx.call_id,
@@ -229,11 +238,12 @@ def serve(
     pids.max the call's ``Limits.processes`` sets (None: no pids controller is writable here,
     and the limit is not enforced; ``sandbx-pool doctor`` says so).
     """
-    # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it
-    # and let the command end. Python handlers reset on exec, so bash sees the default.
+    # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it,
+    # let the command end, and answer with its output so far (workers.stopping). Python
+    # handlers reset on exec, so bash sees the default.
     # _signal, not signal: see workers.template.Template.become_worker.
-    terminated: list[int] = []
-    _signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
+    stop = stopping.current = stopping.StopRequest()
+    _signal.signal(signal.SIGTERM, stop.on_signal)
     # One short call: the collector would only copy-on-write the template's pages.
     gc.disable()
     # Both before connecting: the rehearsal's and the ruleset's copy-on-write faults are paid
@@ -255,6 +265,12 @@ def serve(
         os._exit(EXIT_ORPHANED)
     call = call_decoder.decode(payload)
     runs_programs = call.tool in RUNS_PROGRAMS
+    if call.stream_output:
+        streaming.current = streaming.OutputSink(
+            lambda message: connection.send(message, timeout_s=PEER_TIMEOUT_S),
+            call_id=call.context.call_id,
+            secret=call.secret,
+        )
     processes = call.context.limits.processes
     confinement = None
     try:
@@ -281,12 +297,15 @@ def serve(
         if pids_cgroup is not None and not containment.in_own_pid_namespace():
             cgroups.kill_others(pids_cgroup)
         containment.kill_descendants()
-    if terminated:
-        # The coordinator is stopping this call and will not read a Result: what it waits
-        # for is our exit, so skip the answer.
-        if confinement is not None:
-            confinement.release()
-        os._exit(EXIT_TERMINATED)
+    if stop.at is not None:
+        if not runs_programs or result.value is None:
+            # The coordinator is stopping this call and has no use for a Result without
+            # output: what it waits for is our exit, so skip the answer.
+            if confinement is not None:
+                confinement.release()
+            os._exit(EXIT_TERMINATED)
+        # The command's output until the stop: the coordinator's kill decides the status.
+        result = msgspec.structs.replace(result, stopped=True)
     # The secret proves to the coordinator that this Result comes from the worker it chose.
     answer = encoder.encode(msgspec.structs.replace(result, secret=call.secret))
     try:

@@ -122,6 +122,10 @@ class BashArgs(ToolArgs):
     user: Annotated[
         str | None, Meta(description="Run as this user name or uid (the pool must be root).")
     ] = None
+    merge_stderr: Annotated[
+        bool,
+        Meta(description="Send stderr into stdout's pipe, keeping their order; stderr is ''."),
+    ] = False
 
     def __post_init__(self) -> None:
         if self.argv is not None:

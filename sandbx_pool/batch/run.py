@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Final
@@ -47,6 +48,7 @@ from sandbx_pool.journal.records import (
 )
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
+from sandbx_pool.output import OutputChunk
 from sandbx_pool.pool import Pool
 
 #: How many of the slowest calls the report keeps.
@@ -173,12 +175,14 @@ async def run_batch(
     on_submit: SubmitCallback | None = None,
     on_outcome: OutcomeCallback | None = None,
     tokens: Mapping[str, CancelToken] | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
 ) -> BatchReport:
     """Run ``calls`` (minus ``skip``) through ``pool``, at most ``parallel`` at a time.
 
     ``in_doubt`` are the ids among ``skip`` that are skipped because they may have run
     (reported, not counted as finished). ``on_submit`` is called just before a call is handed
     to the pool, ``on_outcome`` when it ends; ``tokens`` gives some calls a CancelToken.
+    ``output_dir``: each bash call's output is written to ``CALL_ID.out`` there as it comes.
     Returns when every call has run, or when ``stop`` was set and the calls in flight have
     ended.
     """
@@ -200,6 +204,7 @@ async def run_batch(
 
     async def lane() -> None:
         for spec in queue:  # shared: each spec is taken by exactly one lane, in file order
+            sink: _OutputFile | None = None
             try:
                 for dependency in spec.after:
                     event = finished.get(dependency)  # None: skipped (a past run, in doubt)
@@ -214,6 +219,7 @@ async def run_batch(
                     continue
                 if on_submit is not None:
                     on_submit(spec)
+                sink = _output_file(output_dir, spec)
                 try:
                     outcome = await pool.call(
                         spec.tool,
@@ -222,6 +228,7 @@ async def run_batch(
                         cwd=spec.cwd,
                         call_id=spec.call_id,
                         cancel=tokens.get(spec.call_id) if tokens else None,
+                        on_output=sink.write if sink is not None else None,
                     )
                 except PoolClosed:
                     return  # closed by a stop: this call was refused before its intent
@@ -235,6 +242,8 @@ async def run_batch(
                 if on_outcome is not None:
                     on_outcome(spec, outcome)
             finally:
+                if sink is not None:
+                    sink.close()
                 # Set whatever happened, so a call waiting on this one never waits forever.
                 if (event := finished.get(spec.call_id)) is not None:
                     event.set()
@@ -247,3 +256,28 @@ async def run_batch(
         report.wall_s = time.monotonic() - report.started_at
         report.stopped = stop is not None and stop.is_set()
     return report
+
+
+class _OutputFile:
+    """One call's output as it comes, in a file a person can follow with ``tail -f``.
+
+    Written from the loop: a local append of a paced stream (workers.streaming) is brief, and
+    this is the user's own directory, not the workspace the coordinator must never touch."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
+
+    def write(self, chunk: OutputChunk) -> None:
+        self._file.write(chunk.display())
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _output_file(directory: str | os.PathLike[str] | None, spec: CallSpec) -> _OutputFile | None:
+    if directory is None or spec.tool != "bash":
+        return None
+    # A call id is the user's text: keep it to one harmless file name.
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", spec.call_id).lstrip(".") or "call"
+    return _OutputFile(os.path.join(directory, f"{name}.out"))

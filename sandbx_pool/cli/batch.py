@@ -64,6 +64,11 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         " their side effect can happen twice)",
     )
     run.add_argument("--config", metavar="FILE", help="TOML settings; flags override them")
+    run.add_argument(
+        "--output-dir",
+        metavar="DIR",
+        help="write each bash call's output to DIR/CALL_ID.out as it comes (for tail -f)",
+    )
     run.set_defaults(func=_cmd_run)
 
     demo = subparsers.add_parser("demo", help="run a built-in batch on a temporary workspace")
@@ -109,6 +114,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _usage_error("run", "--resume needs --journal PATH (the journal of the earlier run)")
     if args.rerun_started and not args.resume:
         return _usage_error("run", "--rerun-started goes with --resume")
+    if args.output_dir is not None:
+        # The user's own directory, not the workspace: made here, so a typo fails at once.
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+        except OSError as exc:
+            return _usage_error("run", f"--output-dir {args.output_dir}: {exc.strerror or exc}")
     # No check that the workspace exists: the coordinator never touches the workspace's
     # filesystem (a stat on a hung mount would hang the command before its first call); a
     # missing workspace shows in the calls' outcomes instead.
@@ -185,6 +196,7 @@ def _run(
                         in_doubt=in_doubt if args.resume and not args.rerun_started else (),
                         stop=stopper.stopping,
                         on_outcome=lambda _, outcome: progress.record(outcome),
+                        output_dir=args.output_dir,
                     )
         except SandbxPoolError as exc:  # a locked journal, a template that cannot start
             print(f"sandbx-pool run: {exc}", file=sys.stderr)

@@ -54,16 +54,26 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 def _cmd_call(args: argparse.Namespace) -> int:
     from sandbx_pool.config import load_config
+    from sandbx_pool.output import OutputChunk
     from sandbx_pool.pool import Pool
     from sandbx_pool.signals import Stopper, run_until_signalled
 
     tool_args = _parse_pairs(args.tool, args.pairs)
     config = load_config(args.config)  # a ConfigError here exits 2 (main), before any process
 
+    def show(chunk: OutputChunk) -> None:
+        # On our stderr, both streams: stdout stays the outcome's JSON, for programs.
+        sys.stderr.write(chunk.display())
+        sys.stderr.flush()
+
+    on_output = show if args.tool == "bash" and not args.no_stream else None
+
     async def one_call(stopper: Stopper) -> int:
         pool = stopper.watch(Pool(args.workspace, journal=args.journal, config=config))
         async with pool:
-            outcome = await pool.call(args.tool, tool_args, timeout=args.timeout)
+            outcome = await pool.call(
+                args.tool, tool_args, timeout=args.timeout, on_output=on_output
+            )
         print(json.dumps(outcome.to_dict(), indent=2))
         return 0
 
@@ -104,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--timeout", type=float)
     call.add_argument("--journal")
     call.add_argument("--config")
+    call.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="bash: do not print the command's output to stderr as it runs",
+    )
     call.set_defaults(func=_cmd_call)
 
     tools = commands.add_parser("tools", help="list the tools and their arguments")

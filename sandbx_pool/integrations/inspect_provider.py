@@ -116,7 +116,11 @@ def _key(settings: SandbxConfig) -> str:
 
 
 async def _open_task(settings: SandbxConfig) -> _Task:
-    config = load_config(settings.pool_config).override(calls={"max_output_bytes": TRANSPORT_BYTES})
+    # Whole streams (Inspect's exec has its own limit, checked below), not head and tail;
+    # stdout and stderr apart, as ExecResult has them (merge_stderr stays off).
+    config = load_config(settings.pool_config).override(
+        calls={"max_output_bytes": TRANSPORT_BYTES, "keep_output_bytes": TRANSPORT_BYTES}
+    )
     # The local provider's semantics, which this provider follows: the host as the samples'
     # filesystem and root over it (Inspect's own suite adds users with adduser; the provider
     # chowns each sample's directory to its user). Commands keep a container's capabilities,

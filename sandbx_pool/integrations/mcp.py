@@ -3,6 +3,7 @@
     MCP client --tools/call (JSON-RPC line on our stdin)--> SDK dispatcher: one task per request
         |  ToolServer.call_tool: pool.call(tool, args, cancel=token) in its own asyncio task
         |  ok -> text + structuredContent;  any other status -> isError with the status named
+        |  bash, with a progressToken: notifications/progress carrying the new output meanwhile
         v
     response line on our stdout (the SDK's stdio transport; fds 0 and 1 point elsewhere meanwhile)
 
@@ -50,6 +51,7 @@ from sandbx_pool.config import Config
 from sandbx_pool.errors import SandbxPoolError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
+from sandbx_pool.output import OutputChunk
 from sandbx_pool.pool import Pool
 from sandbx_pool.signals import Stopper, run_until_signalled
 from sandbx_pool.tool_definitions import tool_definitions
@@ -57,6 +59,9 @@ from sandbx_pool.workers.schemas import TOOL_ARGS
 
 #: Bytes read from stdin at a time; a request line longer than this is assembled from several.
 READ_CHUNK: Final = 64 * 1024
+
+#: Characters of a bash call's output waiting to be sent as progress before more is dropped.
+PROGRESS_BACKLOG: Final = 256 * 1024
 
 #: What each non-ok status means, after the status itself, in the text a model reads.
 _STATUS_TEXT: Final[dict[Status, str]] = {
@@ -157,12 +162,25 @@ class ToolServer:
             known = ", ".join(TOOL_ARGS)
             raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r} (known: {known})")
         token = CancelToken()
+        progress_token = (ctx.meta or {}).get("progress_token")
+        progress = (
+            _OutputProgress(ctx, progress_token)
+            if progress_token is not None and params.name == "bash"
+            else None
+        )
         call = asyncio.create_task(
-            self.pool.call(params.name, params.arguments or {}, cancel=token),
+            self.pool.call(
+                params.name,
+                params.arguments or {},
+                cancel=token,
+                on_output=progress.add if progress is not None else None,
+            ),
             name=f"mcp-request-{ctx.request_id}",
         )
         try:
             outcome = await asyncio.shield(call)
+            if progress is not None:
+                await progress.finish()  # every notification before the response
         except asyncio.CancelledError:
             reason = self.closing or f"the MCP client cancelled request {ctx.request_id}"
             token.cancel(reason)
@@ -177,7 +195,71 @@ class ToolServer:
             raise
         except SandbxPoolError as exc:  # the pool itself is gone: not the tool's failure
             raise MCPError(types.INTERNAL_ERROR, f"sandbx-pool cannot run calls: {exc}") from exc
+        finally:
+            if progress is not None:
+                progress.stop()
         return outcome_result(outcome)
+
+
+class _OutputProgress:
+    """A bash call's output as ``notifications/progress`` for the request's progress token:
+    ``message`` is the new output, ``progress`` the characters sent so far.
+
+    Chunks come on the loop (Pool.call's on_output) and are sent by one task, in order; what
+    waits while the client reads slowly is coalesced into one notification, and bounded by
+    PROGRESS_BACKLOG (past it, output is dropped and the next notification says so).
+    """
+
+    def __init__(self, ctx: ServerRequestContext[Any], token: str | int) -> None:
+        self._ctx = ctx
+        self._token = token
+        self._pending: list[str] = []
+        self._pending_chars = 0
+        self._dropped = 0
+        self._sent = 0
+        self._wake = asyncio.Event()
+        self._done = False
+        self._task = asyncio.create_task(self._send_all())
+
+    def add(self, chunk: OutputChunk) -> None:
+        text = chunk.display()
+        if self._pending_chars + len(text) > PROGRESS_BACKLOG:
+            self._dropped += len(text)
+        else:
+            self._pending.append(text)
+            self._pending_chars += len(text)
+        self._wake.set()
+
+    async def finish(self) -> None:
+        self._done = True
+        self._wake.set()
+        await asyncio.wait([self._task])
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+    async def _send_all(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._dropped:
+                self._pending.insert(0, f"[... {self._dropped} characters not sent ...]\n")
+                self._dropped = 0
+            text = "".join(self._pending)
+            self._pending.clear()
+            self._pending_chars = 0
+            if text:
+                self._sent += len(text)
+                await self._ctx.session.send_progress_notification(
+                    self._token, self._sent, message=text, related_request_id=self._request_id
+                )
+            if self._done and not self._pending:
+                return
+
+    @property
+    def _request_id(self) -> str | None:
+        request_id = self._ctx.request_id
+        return None if request_id is None else str(request_id)
 
 
 class _ClientLines(anyio.AsyncFile[str]):

@@ -136,7 +136,8 @@ class SandbxEnvironment:
 
     def _call(self, command: str, cwd: str, timeout: int | None) -> tuple[Outcome, float]:
         seconds = float(timeout or self.config.timeout)
-        args: dict[str, Any] = {"command": command}
+        # Merged, as LocalEnvironment runs commands (stderr=STDOUT): one output, in order.
+        args: dict[str, Any] = {"command": command, "merge_stderr": True}
         call = self.pool.call(
             "bash",
             args,
@@ -149,10 +150,9 @@ class SandbxEnvironment:
     def _execute_v2(self, command: str, cwd: str, timeout: int | None) -> dict[str, Any]:
         outcome, seconds = self._call(command, cwd, timeout)
         if outcome.status is Status.OK and outcome.value is not None:
-            value = outcome.value
             return {
-                "output": value["stdout"] + value["stderr"],
-                "returncode": value["exit_code"],
+                "output": _output(outcome.value),
+                "returncode": outcome.value["exit_code"],
                 "exception_info": "",
             }
         if outcome.status is Status.TIMEOUT:
@@ -162,7 +162,8 @@ class SandbxEnvironment:
             problem = f"{outcome.status}: {outcome.error or outcome.reason or 'no detail'}"
             kind = f"sandbx.{outcome.status}"
         return {
-            "output": "",
+            # What the command printed until it was stopped, as LocalEnvironment returns it.
+            "output": _output(outcome.value),
             "returncode": -1,
             "exception_info": f"An error occurred while executing the command: {problem}",
             "extra": {"exception_type": kind, "exception": problem, "call_id": outcome.call_id},
@@ -171,10 +172,9 @@ class SandbxEnvironment:
     def _execute_v1(self, command: str, cwd: str, timeout: int | None) -> dict[str, Any]:
         outcome, seconds = self._call(command, cwd, timeout)
         if outcome.status is Status.TIMEOUT:
-            raise subprocess.TimeoutExpired(command, seconds, output="")
+            raise subprocess.TimeoutExpired(command, seconds, output=_output(outcome.value))
         if outcome.status is Status.OK and outcome.value is not None:
-            value = outcome.value
-            return {"output": value["stdout"] + value["stderr"], "returncode": value["exit_code"]}
+            return {"output": _output(outcome.value), "returncode": outcome.value["exit_code"]}
         return {"output": f"{outcome.status}: {outcome.error or ''}", "returncode": -1}
 
     def _check_finished(self, output: dict[str, Any]) -> None:
@@ -196,3 +196,10 @@ class SandbxEnvironment:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+
+def _output(value: dict[str, Any] | None) -> str:
+    """A bash value's output (stderr is merged into stdout; "" when there is no value)."""
+    if value is None:
+        return ""
+    return str(value.get("stdout", "")) + str(value.get("stderr", ""))

@@ -2,10 +2,17 @@
 
 Data flow inside the worker::
 
-    bash -c ... --stdout pipe--+
-         |     --stderr pipe--+--> selector --> chunks (capped at max_output_bytes)
-         +----- pidfd --------+        |
+    bash -c ... --stdout pipe--+                  +--> head and tail of each stream (_Kept)
+         |     --stderr pipe--+--> selector --+--> OutputSink, when the caller streams
+         +----- pidfd --------+        |       +--> kill past max_output_bytes (a flood)
+                 SIGTERM (stopping) ---+
                                        +--> bash exited: wait() it, kill_descendants(), drain
+
+Output is kept, never refused: each stream keeps its first and last keep_output_bytes / 2,
+and the value says what was omitted between them (a marker line, ``omitted_bytes``). A
+command that writes past max_output_bytes in all is a flood, killed as ``output_limit``; a
+command stopped by the coordinator (timeout, cancel) answers with what it printed until then
+(workers.stopping). With ``merge_stderr`` stderr shares stdout's pipe, so their order is kept.
 
 bash runs in the worker's own process group, not a new session: the coordinator cancels a call
 by killing the worker's group, and that must reach bash and what it started.
@@ -27,9 +34,10 @@ import errno
 import os
 import selectors
 import subprocess
-from typing import Any
+import time
+from typing import IO, Any
 
-from sandbx_pool.workers import users
+from sandbx_pool.workers import stopping, streaming, users
 from sandbx_pool.workers.containment import kill_descendants
 from sandbx_pool.workers.errors import OutputLimitExceeded, ToolError
 from sandbx_pool.workers.paths import resolve
@@ -39,23 +47,76 @@ from sandbx_pool.workers.schemas import BashArgs
 #: Bytes asked of a pipe per read: the pipe's default capacity, so one read usually empties it.
 _READ_BYTES = 64 * 1024
 
+#: How far from the marker the kept head and tail look for a line end to cut at.
+_LINE_REACH = 4096
+
+
+class _Kept:
+    """One stream's first and last bytes: about ``keep`` bytes held, however many pass."""
+
+    def __init__(self, keep: int) -> None:
+        self.head_cap = keep // 2
+        self.tail_cap = keep - self.head_cap
+        # The tail is trimmed once it is this much over its bound: trimming moves the whole
+        # tail, and doing it on every read of a flood would cost more than the flood.
+        self.slack = max(_READ_BYTES, self.tail_cap // 4)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            if len(self.tail) > self.tail_cap + self.slack:
+                del self.tail[: -self.tail_cap]
+
+    def text(self) -> tuple[str, int]:
+        """The stream as text, and how many bytes of it the marker line stands for."""
+        head, tail = bytes(self.head), bytes(self.tail[-self.tail_cap :] if self.tail_cap else b"")
+        omitted = self.total - len(head) - len(tail)
+        if not omitted:
+            return _decode(head + tail), 0
+        # Whole lines on either side of the marker, where a line end is in reach (a very
+        # long line is cut instead: dropping it whole could leave nothing to see).
+        cut = head.rfind(b"\n", len(head) - _LINE_REACH) + 1
+        if cut:
+            omitted += len(head) - cut
+            head = head[:cut]
+        start = tail.find(b"\n", 0, _LINE_REACH) + 1
+        if 0 < start < len(tail):
+            omitted += start
+            tail = tail[start:]
+        newline = "" if not head or head.endswith(b"\n") else "\n"
+        marker = f"{newline}[... {omitted} bytes omitted ...]\n"
+        return _decode(head) + marker + _decode(tail), omitted
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
 
 class _Output:
-    """stdout and stderr as they arrive, and whether together they passed the cap."""
+    """stdout and stderr as kept, and whether together they passed the flood limit."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, keep: int, limit: int) -> None:
         self.limit = limit
-        self.chunks: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self.streams = {"stdout": _Kept(keep), "stderr": _Kept(keep)}
         self.total = 0
 
     def add(self, stream: str, data: bytes) -> bool:
-        """Keep ``data``; False once the total is over the limit."""
-        self.chunks[stream].append(data)
+        """Keep ``data`` (head or tail); False once the total is over the limit."""
+        self.streams[stream].add(data)
         self.total += len(data)
         return self.total <= self.limit
 
-    def text(self, stream: str) -> str:
-        return b"".join(self.chunks[stream]).decode("utf-8", errors="replace")
+
+class _Stopped(Exception):
+    """The coordinator asked the call to stop and the command's share of the grace is over."""
 
 
 class _ExecFailed(Exception):
@@ -99,7 +160,7 @@ def _start(args: BashArgs, ctx: ExecutionContext) -> subprocess.Popen[bytes]:
             env=env,
             stdin=subprocess.PIPE if has_input else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.STDOUT if args.merge_stderr else subprocess.PIPE,
             **ids,
         )
     except OSError as exc:
@@ -115,22 +176,31 @@ def _exit_status(returncode: int) -> tuple[int, int | None]:
     return returncode, None
 
 
-def _pump(proc: subprocess.Popen[bytes], output: _Output, stdin: bytes | None = None) -> None:
+def _pump(
+    proc: subprocess.Popen[bytes], output: _Output, stdin: bytes | None, *, grace_s: float
+) -> None:
     """Feed ``stdin`` and collect output until bash has exited and both pipes are at EOF.
 
-    Raises OutputLimitExceeded as soon as the output passes the cap; the caller kills.
+    Raises OutputLimitExceeded as soon as the output passes the cap, and _Stopped once a stop
+    request's deadline has passed; the caller kills.
     """
     assert proc.stdout is not None
-    assert proc.stderr is not None
+    sink, stop = streaming.current, stopping.current
     pidfd = os.pidfd_open(proc.pid)
     try:
         with selectors.DefaultSelector() as selector:
             selector.register(proc.stdout, selectors.EVENT_READ, "stdout")
-            selector.register(proc.stderr, selectors.EVENT_READ, "stderr")
+            if proc.stderr is not None:  # None with merge_stderr
+                selector.register(proc.stderr, selectors.EVENT_READ, "stderr")
             selector.register(pidfd, selectors.EVENT_READ, None)
+            if stop is not None:
+                selector.register(stop, selectors.EVENT_READ, "stop")
             feeder = _Feeder(proc, stdin, selector) if proc.stdin is not None else None
-            while selector.get_map():
-                for key, _ in selector.select():
+            while any(key.data != "stop" for key in selector.get_map().values()):
+                for key, _ in selector.select(_wait_s(sink, stop, grace_s)):
+                    if key.data == "stop":
+                        selector.unregister(key.fileobj)  # the deadline is set now
+                        continue
                     if key.data == "stdin":
                         assert feeder is not None
                         feeder.feed()
@@ -148,10 +218,51 @@ def _pump(proc: subprocess.Popen[bytes], output: _Output, stdin: bytes | None = 
                     data = os.read(key.fd, _READ_BYTES)
                     if not data:
                         selector.unregister(key.fileobj)
-                    elif not output.add(key.data, data):
+                        continue
+                    if sink is not None:
+                        sink.add(key.data, data)
+                    if not output.add(key.data, data):
                         raise OutputLimitExceeded(f"output exceeded {output.limit} bytes")
+                if sink is not None and sink.due_in() == 0:
+                    sink.flush()
+                deadline = stop.deadline(grace_s) if stop is not None else None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise _Stopped
     finally:
         os.close(pidfd)
+
+
+def _wait_s(
+    sink: streaming.OutputSink | None, stop: stopping.StopRequest | None, grace_s: float
+) -> float | None:
+    """How long the selector may sleep: until the sink's next flush or the stop deadline."""
+    waits = []
+    if sink is not None and (due := sink.due_in()) is not None:
+        waits.append(due)
+    if stop is not None and (deadline := stop.deadline(grace_s)) is not None:
+        waits.append(max(0.0, deadline - time.monotonic()))
+    return min(waits) if waits else None
+
+
+def _drain(proc: subprocess.Popen[bytes], output: _Output) -> None:
+    """After the kill: what the pipes still hold belongs to the partial output. Non-blocking,
+    so a writer that somehow survived cannot hold us here."""
+    pipes: tuple[tuple[streaming.Stream, IO[bytes] | None], ...] = (
+        ("stdout", proc.stdout),
+        ("stderr", proc.stderr),
+    )
+    for stream, pipe in pipes:
+        if pipe is None or pipe.closed:
+            continue
+        os.set_blocking(pipe.fileno(), False)
+        with contextlib.suppress(BlockingIOError):
+            for _ in range(output.limit // _READ_BYTES + 1):
+                data = os.read(pipe.fileno(), _READ_BYTES)
+                if not data:
+                    break
+                output.add(stream, data)
+                if streaming.current is not None:
+                    streaming.current.add(stream, data)
 
 
 class _Feeder:
@@ -199,34 +310,53 @@ def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """Run the command; any exit code is an ``ok`` result, carried in ``exit_code``.
 
     With ``argv``, a program that cannot be executed is an ``ok`` result too, as a shell
-    reports it (126, or 127 when not found), with ``exec_error`` naming the errno.
+    reports it (126, or 127 when not found), with ``exec_error`` naming the errno. A flood
+    raises OutputLimitExceeded carrying the output until the kill; a stop request returns the
+    output so far (the runtime marks the Result ``stopped``).
     """
     try:
         proc = _start(args, ctx)
     except _ExecFailed as failed:
+        message = f"{failed}\n"
         return {
             "exit_code": failed.exit_code,
             "signal": None,
-            "stdout": "",
-            "stderr": f"{failed}\n",
+            "stdout": message if args.merge_stderr else "",
+            "stderr": "" if args.merge_stderr else message,
             "exec_error": failed.code,
+            "omitted_bytes": 0,
         }
-    output = _Output(ctx.max_output_bytes)
+    output = _Output(ctx.keep_output_bytes, ctx.max_output_bytes)
     stdin = args.stdin.encode("utf-8") if args.stdin is not None else args.stdin_bytes
     try:
-        _pump(proc, output, stdin)
-    finally:
-        # Normally a no-op by now (bash reaped, leftovers killed); after an error or the
-        # output limit it is the kill. Either way nothing outlives the call.
+        _pump(proc, output, stdin, grace_s=ctx.grace_s)
+    except OutputLimitExceeded as exc:
         _stop(proc)
+        raise OutputLimitExceeded(str(exc), value=_value(proc, output)) from None
+    except _Stopped:
+        pass  # killed below; the value is what came until then
+    finally:
+        # Normally a no-op by now (bash reaped, leftovers killed); after an error, the output
+        # limit or a stop it is the kill. Either way nothing outlives the call.
+        _stop(proc)
+        _drain(proc, output)
+        if streaming.current is not None:
+            streaming.current.flush(final=True)
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None and not pipe.closed:
                 pipe.close()
+    return _value(proc, output)
+
+
+def _value(proc: subprocess.Popen[bytes], output: _Output) -> dict[str, Any]:
     assert proc.returncode is not None
     exit_code, signal_number = _exit_status(proc.returncode)
+    stdout, omitted_out = output.streams["stdout"].text()
+    stderr, omitted_err = output.streams["stderr"].text()
     return {
         "exit_code": exit_code,
         "signal": signal_number,
-        "stdout": output.text("stdout"),
-        "stderr": output.text("stderr"),
+        "stdout": stdout,
+        "stderr": stderr,
+        "omitted_bytes": omitted_out + omitted_err,
     }
