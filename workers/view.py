@@ -80,15 +80,17 @@ def enter(root: str) -> None:
 
 def skeleton(root: str) -> None:
     """V's mount points and the host's top-level symlinks (merged /usr: ``bin -> usr/bin``),
-    made where missing: the first call of a view makes them, the next find them."""
+    made where missing: the first call of a view makes them, the next find them (a call
+    running beside it may make one first: that is the same entry)."""
     for name in (*SYSTEM, *KERNEL):
         source, target = "/" + name, os.path.join(root, name)
         if os.path.lexists(target):
             continue
-        if os.path.islink(source):
-            os.symlink(os.readlink(source), target)
-        elif os.path.isdir(source) or name in KERNEL:
-            os.mkdir(target, 0o755)
+        with contextlib.suppress(FileExistsError):
+            if os.path.islink(source):
+                os.symlink(os.readlink(source), target)
+            elif os.path.isdir(source) or name in KERNEL:
+                os.mkdir(target, 0o755)
 
 
 def own_directories(root: str) -> list[str]:
