@@ -27,6 +27,7 @@ class CallState:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         limits: Limits | None = None,
+        view: str | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.call_id = call_id
@@ -36,6 +37,7 @@ class CallState:
         self.cwd = cwd
         self.env = env
         self.limits = limits
+        self.view = view
         self.started_at = time.monotonic()
         self.context: ExecutionContext | None = None
         self.worker: Worker | None = None
