@@ -32,7 +32,6 @@ class Collector:
         self.room = max_bytes
         self.before, self.after = context
         self.full = False
-        self.counted = 0  # files with a count of 0 are not items, but rg did answer
 
     def _fits(self, cost: int) -> bool:
         if len(self.items) >= self.max_results or cost > self.room:
@@ -67,7 +66,6 @@ class Collector:
         return True
 
     def add_count(self, path: str, count: int) -> bool:
-        self.counted += 1
         if not self._fits(len(path.encode()) + RESULT_OVERHEAD):
             return False
         self.items.append({"path": path, "count": count})

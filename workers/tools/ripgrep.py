@@ -138,18 +138,21 @@ def run_rg(
         stderr = os.read(errors, 64 * 1024).decode("utf-8", errors="replace")
     finally:
         os.close(errors)
-    if proc.returncode == 2 and not collector.items and not collector.counted:
+    # rg reports a file it cannot read with the OS error ("... (os error 13)") and goes on;
+    # any other message on a failed run is about the call itself (a bad glob, type, regex).
+    problems = [line for line in stderr.splitlines() if line.startswith("rg: ")]
+    unreadable = sum(1 for line in problems if "(os error" in line)
+    if proc.returncode == 2 and not collector.full and unreadable < len(problems):
         if "regex parse error" in stderr or "error parsing regex" in stderr:
             raise RgRefused(stderr.strip())
-        if not any(line.startswith("rg: ") and ": " in line[4:] for line in stderr.splitlines()):
-            raise RgFailed(_first_error(stderr))
-    return sum(1 for line in stderr.splitlines() if line.startswith("rg: "))
+        raise RgFailed(_first_error(stderr))
+    return unreadable
 
 
 def _first_error(stderr: str) -> str:
     for line in stderr.splitlines():
         line = line.strip()
-        if line.startswith("error:") or line.startswith("rg: "):
+        if line.startswith("rg: ") and "(os error" not in line:
             return line.removeprefix("rg: ")
     return stderr.strip().splitlines()[0] if stderr.strip() else "rg failed"
 
