@@ -31,6 +31,7 @@ cuts the answer short, which matches were kept therefore depends on the threads'
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import os
 import subprocess
@@ -164,16 +165,17 @@ def _display(path: str) -> str:
 class _JsonReader:
     """``rg --json``: a begin, matches and context lines, an end per file.
 
-    A file's lines are kept until its end, so that each match gets the context lines around
-    it (rg sends each line once, shared by neighbouring matches); only matches and context
-    lines are kept, a few per match at most.
+    A match goes to the collector once the lines after it that the context asks for have
+    come (rg sends each line once, shared by neighbouring matches), so a file of a million
+    matching lines fills the answer from its first ones; only the lines a pending match may
+    still need are kept.
     """
 
     def __init__(self, collector: Collector) -> None:
         self.collector = collector
         self.pending = b""
         self.lines: dict[int, str] = {}
-        self.matches: list[tuple[int, str]] = []
+        self.matches: collections.deque[tuple[int, str]] = collections.deque()
         self.path = ""
 
     def feed(self, data: bytes) -> None:
@@ -191,19 +193,33 @@ class _JsonReader:
             if kind == "begin":
                 self.path = _display(body.path.decode()) if body.path else ""
             elif kind in ("match", "context") and body.line_number is not None and body.lines:
+                number = body.line_number
+                self._flush(upto=number - 1)
                 text = _strip_eol(body.lines.decode())
-                self.lines[body.line_number] = text
+                if self.collector.before or self.collector.after:
+                    self.lines[number] = text
                 if kind == "match":
-                    self.matches.append((body.line_number, text))
+                    self.matches.append((number, text))
             elif kind == "end":
                 self._flush()
 
-    def _flush(self) -> None:
-        for number, text in self.matches:
-            if not self.collector.add_match(self.path, number, text, self.lines):
+    def _flush(self, upto: int | None = None) -> None:
+        """Hand on the matches whose after-context is complete: every line up to ``upto``
+        has come (None: the file has ended)."""
+        after = self.collector.after
+        while self.matches:
+            number, text = self.matches[0]
+            if upto is not None and number + text.count("\n") + after > upto:
                 break
-        self.lines = {}
-        self.matches = []
+            self.matches.popleft()
+            if not self.collector.add_match(self.path, number, text, self.lines):
+                return
+        if upto is None:
+            self.lines = {}
+        elif len(self.lines) > 1024:
+            oldest = self.matches[0][0] if self.matches else upto + 1
+            keep = oldest - self.collector.before
+            self.lines = {n: line for n, line in self.lines.items() if n >= keep}
 
     def finish(self) -> None:
         self._flush()  # a file cut short by the kill: what was read of it still counts
