@@ -196,3 +196,16 @@ async def test_a_huge_match_count_stays_bounded(pool: Pool, tree: Path) -> None:
     assert default.value is not None
     assert len(default.value["matches"]) == 1000  # the default max_results
     assert default.duration_s < 10
+
+
+def test_the_schemas_describe_the_new_arguments_for_a_model() -> None:
+    from sandbx_pool.workers.schemas import tool_schemas
+
+    schemas = tool_schemas()
+    grep = schemas["grep"]["properties"]
+    assert sorted(grep["output_mode"]["enum"]) == ["content", "count", "files_with_matches"]
+    assert grep["respect_gitignore"]["default"] is True
+    for name in ("context_before", "context_after", "context", "type", "multiline", "hidden"):
+        assert grep[name].get("description") or grep[name].get("anyOf"), name
+    find = schemas["find"]["properties"]
+    assert (find["hidden"]["default"], find["respect_gitignore"]["default"]) == (False, True)
