@@ -92,6 +92,7 @@ class GitIgnore:
         """``base`` is the searched directory's path in the workspace (``""``, ``src/``);
         ``ancestors`` the fds of the directories above it, the workspace first."""
         self._rules: dict[tuple[str, str], list[_Rule]] = {}
+        self._applicable: dict[str, list[tuple[int, int, list[_Rule]]]] = {}
         self.base = base
         # The ignore files above the searched directory, from the workspace root down.
         prefix = ""
@@ -115,19 +116,40 @@ class GitIgnore:
     def ignored(self, rel: str, is_dir: bool) -> bool:
         """Whether the walk-relative ``rel`` is excluded by the rules above it."""
         path = f"{self.base}{rel}"
-        for kind in (*KINDS, _EXCLUDE):
-            verdict: bool | None = None
-            # Every ancestor directory, shallowest first, so deeper rules are consulted last.
-            cut = 0
-            while cut != -1:
-                rules = self._rules.get((path[:cut], kind))
+        slash = path.rfind("/")
+        directory = path[: slash + 1]
+        applicable = self._applicable.get(directory)
+        if applicable is None:
+            applicable = self._applicable[directory] = self._collect(directory)
+        verdict: bool | None = None
+        kind = -1
+        for rank, cut, rules in applicable:
+            if rank != kind:
+                if verdict is not None:
+                    return verdict  # an earlier kind decided
+                kind = rank
+            verdict = _apply(rules, path[cut:], is_dir, verdict)
+        return bool(verdict)
+
+    def _collect(self, directory: str) -> list[tuple[int, int, list[_Rule]]]:
+        """The rules that apply in ``directory`` (``""``, ``a/b/``), each with its kind's rank
+        and where its own directory's path ends, the most decisive kind first and, within
+        a kind, the shallowest first (so that deeper rules are consulted last). Computed once
+        per directory: the walk has entered it, and every directory above, by then."""
+        found = []
+        cut = 0
+        while True:
+            prefix = directory[:cut]
+            for rank, kind in enumerate((*KINDS, _EXCLUDE)):
+                rules = self._rules.get((prefix, kind))
                 if rules:
-                    verdict = _apply(rules, path[cut:], is_dir, verdict)
-                slash = path.find("/", cut)
-                cut = -1 if slash == -1 else slash + 1
-            if verdict is not None:
-                return verdict
-        return False
+                    found.append((rank, cut, rules))
+            slash = directory.find("/", cut)
+            if slash == -1:
+                break
+            cut = slash + 1
+        found.sort(key=lambda item: item[:2])
+        return found
 
     def above_as_text(self) -> str:
         """The rules from above the searched directory as one ignore file whose patterns are
