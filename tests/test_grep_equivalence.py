@@ -129,6 +129,7 @@ async def test_both_engines_answer_as_rg(
 async def test_text_is_the_line_without_its_end(pool: Pool, tree: Path) -> None:
     outcome = await pool.call("grep", {"pattern": "needle", "path": "src/crlf.txt"})
     assert outcome.value is not None
+    assert outcome.value["engine"] == "rg"  # rg's lines end in CRLF: the tool strips them
     assert [m["text"] for m in outcome.value["matches"]] == ["needle at end", "needle"]
     latin1 = await pool.call("grep", {"pattern": "plain|caf", "path": "src/latin1.txt"})
     assert latin1.value is not None
@@ -192,6 +193,7 @@ async def test_a_huge_match_count_stays_bounded(pool: Pool, tree: Path) -> None:
     assert outcome.status is Status.OK, outcome
     assert outcome.value is not None
     assert (len(outcome.value["matches"]), outcome.value["truncated"]) == (50, True)
+    assert outcome.value["engine"] == "rg"  # killed once full, not read to the end
     default = await pool.call("grep", {"pattern": "needle", "path": "big.txt"}, timeout=60)
     assert default.value is not None
     assert len(default.value["matches"]) == 1000  # the default max_results
