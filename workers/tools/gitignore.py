@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Container
 from typing import NamedTuple
 
 from sandbx_pool.workers.globs import translate_parts
@@ -40,6 +41,8 @@ MAX_GITIGNORE_BYTES = 256 * 1024
 #: The ignore files of a directory, the most decisive first; ``.git/info/exclude`` is last.
 KINDS = (".rgignore", ".ignore", ".gitignore")
 _EXCLUDE = ".git/info/exclude"
+#: The names in a directory that hold ignore rules.
+NAMES = frozenset({*KINDS, ".git"})
 
 
 class _Rule(NamedTuple):
@@ -102,12 +105,16 @@ class GitIgnore:
         #: Their rules, for rg (which reads nothing above the searched directory).
         self.above = dict(self._rules)
 
-    def enter(self, rel_dir: str, dir_fd: int) -> None:
-        """Read the ignore files of a directory the walk is about to list (``""``: the root)."""
-        self._load(f"{self.base}{rel_dir}", dir_fd)
+    def enter(self, rel_dir: str, dir_fd: int, present: Container[str] | None = None) -> None:
+        """Read the ignore files of a directory the walk is about to list (``""``: the root);
+        ``present``, the names the directory holds if known, spares opening missing ones
+        (five failed opens per directory cost find a third of its time)."""
+        self._load(f"{self.base}{rel_dir}", dir_fd, present)
 
-    def _load(self, prefix: str, dir_fd: int) -> None:
+    def _load(self, prefix: str, dir_fd: int, present: Container[str] | None = None) -> None:
         for kind in (*KINDS, _EXCLUDE):
+            if present is not None and kind.split("/", 1)[0] not in present:
+                continue
             text = _read(kind, dir_fd)
             rules = parse_gitignore(text) if text else []
             if rules:

@@ -44,6 +44,7 @@ from sandbx_pool.workers.paths import (
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import FindArgs
 from sandbx_pool.workers.tools.files import os_error, printable
+from sandbx_pool.workers.tools.gitignore import NAMES as IGNORE_NAMES
 from sandbx_pool.workers.tools.gitignore import GitIgnore
 
 #: find stops after this many paths even below max_output_bytes.
@@ -96,14 +97,18 @@ class TreeWalk:
         self.files = files
         self.skipped = 0
         self._root = root_fd
+        self._present: set[str] = set()
         self._top = self._list(root_fd)
         if ignore is not None:
-            ignore.enter("", root_fd)
+            ignore.enter("", root_fd, self._present)
 
-    @staticmethod
-    def _list(fd: int) -> Iterator[os.DirEntry[str]]:
+    def _list(self, fd: int) -> Iterator[os.DirEntry[str]]:
         with os.scandir(fd) as it:
-            return iter(sorted(it, key=lambda entry: entry.name))
+            entries = sorted(it, key=lambda entry: entry.name)
+        if self.ignore is not None:
+            # Which ignore files the directory holds: GitIgnore.enter opens only those.
+            self._present = {entry.name for entry in entries if entry.name in IGNORE_NAMES}
+        return iter(entries)
 
     def _enter(self, name: str, parent: int) -> tuple[int, Iterator[os.DirEntry[str]]] | None:
         try:
@@ -140,7 +145,7 @@ class TreeWalk:
                     child = self._enter(entry.name, fd)
                     if child is not None:
                         if self.ignore is not None:
-                            self.ignore.enter(f"{rel}/", child[0])
+                            self.ignore.enter(f"{rel}/", child[0], self._present)
                         stack.append((f"{rel}/", *child))
         finally:
             for _, fd, _ in stack:
