@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming")
+SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming", "search")
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loguru import logger
 
-    from bench import cancel, latency, report, soak, streaming, throughput
+    from bench import cancel, latency, report, search, soak, streaming, throughput
     from bench.procs import cpu_snapshot, leftovers, others_share
     from bench.workspace import MARKER, bench_workspace
 
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.soak = soak.run(ws, calls=calls, seed=args.seed)
                 elif section == "streaming":
                     result.streaming = streaming.run(ws, calls=counts.streaming_calls)
+                elif section == "search":
+                    result.search = search.run(ws, runs=3 if args.quick else 9)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

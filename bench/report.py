@@ -20,6 +20,7 @@ from bench import cancel, latency, throughput
 from bench.cancel import CancelResult
 from bench.latency import LatencyResult
 from bench.procs import Leftovers
+from bench.search import SearchResult
 from bench.soak import KINDS, SoakResult
 from bench.streaming import StreamingResult
 from bench.throughput import ConnectionCost, ThroughputResult
@@ -39,6 +40,7 @@ class Report:
     throughput: ThroughputResult | None = None
     soak: SoakResult | None = None
     streaming: StreamingResult | None = None
+    search: SearchResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -353,6 +355,20 @@ def _soak(result: SoakResult) -> str:
     return text
 
 
+def _search(result: SearchResult) -> str:
+    rows = [
+        (f"`{name}`", ms(ours), f"`{peer}`", ms(theirs), f"{ours / theirs:.2f}x")
+        for name, (ours, peer, theirs) in result.rows.items()
+    ]
+    extra = "".join(f"\n\n{name}: {ms(value)} ms" for name, value in result.extra.items())
+    return (
+        f"## Search: {result.tree_files:,} files, {result.tree_mb:.0f} MB, warm\n\n"
+        "Medians in ms; the pool's figure is the whole call (coordinator, worker, rg).\n\n"
+        + table(("through the pool", "ms", "alone", "ms", "ratio"), rows, "lrlrr")
+        + extra
+    )
+
+
 def _bars(report: Report) -> str:
     rows: list[tuple[str, str, str, str]] = []
 
@@ -398,6 +414,10 @@ def _bars(report: Report) -> str:
             bar("soak: left after close", "0", _left(left_closed), left_closed.count == 0)
         fds = f"{soak.fds_before} → {soak.fds_after}"
         bar("soak: coordinator fds", "back to start", fds, soak.fds_before == soak.fds_after)
+    if report.search is not None:
+        for name, (ours, peer, theirs) in report.search.rows.items():
+            ratio = ours / theirs
+            bar(f"{name} vs {peer}", "<= 1.5x (goal 1.2x)", f"{ratio:.2f}x", ratio <= 1.5)
     if report.final_left is not None:
         final = report.final_left
         bar("processes left at the end of the run", "0", _left(final), final.count == 0)
@@ -430,6 +450,8 @@ def render(report: Report) -> str:
         parts.append(_soak(report.soak))
     if report.streaming is not None:
         parts.append(_streaming(report.streaming))
+    if report.search is not None:
+        parts.append(_search(report.search))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

@@ -124,11 +124,16 @@ class Worker:
         self.quarantined_at = time.time()
         if self.pid is None:
             return
-        # A worker that runs bash waits for its command: the process to report is the one in
-        # uninterruptible sleep (state D), which may be a descendant.
+        # A worker that runs a program (bash, grep's rg) waits for it: the process to report is
+        # the one in uninterruptible sleep (state D), which may be a descendant, and in a
+        # threaded one (rg) the thread that is, while its main thread waits for it.
         tree = [self.pid, *descendants(self.pid)]
-        self.stuck_pid = next((p for p in tree if (proc_state(p) or "").startswith("D")), self.pid)
-        self.wchan = read_proc(self.stuck_pid, "wchan")
+        self.stuck_pid, self.wchan = self.pid, read_proc(self.pid, "wchan")
+        for pid in tree:
+            thread = _stuck_thread(pid)
+            if thread is not None:
+                self.stuck_pid, self.wchan = pid, read_proc(pid, f"task/{thread}/wchan")
+                break
 
     def proc_state(self) -> str | None:
         return proc_state(self.pid) if self.pid is not None else None
@@ -152,11 +157,27 @@ def read_proc(pid: int, name: str) -> str | None:
         return None
 
 
-def proc_state(pid: int) -> str | None:
-    """The State: line of /proc/PID/status ("D (disk sleep)"), None once it is gone."""
-    for line in (read_proc(pid, "status") or "").splitlines():
+def proc_state(pid: int, *, thread: int | None = None) -> str | None:
+    """The State: line of /proc/PID/status ("D (disk sleep)"), or of one of its threads',
+    None once it is gone."""
+    status = "status" if thread is None else f"task/{thread}/status"
+    for line in (read_proc(pid, status) or "").splitlines():
         if line.startswith("State:"):
             return line.split(":", 1)[1].strip()
+    return None
+
+
+def _stuck_thread(pid: int) -> int | None:
+    """A thread of ``pid`` in uninterruptible sleep (the main thread first), or None."""
+    if (proc_state(pid) or "").startswith("D"):
+        return pid
+    try:
+        threads = sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return None
+    for tid in threads[:64]:  # bounded: rg runs a few threads, not thousands
+        if (proc_state(pid, thread=tid) or "").startswith("D"):
+            return tid
     return None
 
 

@@ -395,7 +395,7 @@ def test_unreadable_directories_and_files_are_skipped_and_counted(
         pytest.skip("running as root without CAP_SETPCAP: permission bits cannot bind a worker")
     assert result.returncode == 0, result.stderr[-2000:]
     grep, find, inner, sealed, ls = json.loads(result.stdout)
-    assert grep["status"] == "ok"
+    assert grep["status"] == "ok", grep
     assert [m["path"] for m in grep["value"]["matches"]] == ["open.txt"]
     assert grep["value"]["skipped"] == 2  # the locked directory and the sealed file
     assert find["status"] == "ok"
@@ -444,10 +444,10 @@ async def grep_paths(pool: Pool, **args: Any) -> list[str]:
     return [match["path"] for match in outcome.value["matches"]]
 
 
-async def test_grep_respects_gitignore_when_asked(pool: Pool, gitignored: Path) -> None:
+async def test_grep_respects_gitignore_by_default(pool: Pool, gitignored: Path) -> None:
     everything = sorted(name for name in GITIGNORED_TREE if "gitignore" not in name)
-    assert sorted(await grep_paths(pool)) == everything
-    assert sorted(await grep_paths(pool, respect_gitignore=True)) == [
+    assert sorted(await grep_paths(pool, respect_gitignore=False)) == everything
+    assert sorted(await grep_paths(pool)) == [
         "docs/a/kept.txt",
         "keep.log",
         "other/build",

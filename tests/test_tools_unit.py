@@ -423,6 +423,7 @@ def test_grep_matches(ctx: ExecutionContext, ws: Path) -> None:
         ],
         "truncated": False,
         "skipped": 0,
+        "engine": "python",  # unconfined: no bind that refuses symlinks, so no rg
     }
     only_file = call(make_ctx(ws, cwd=ws / "src"), "grep", pattern="needle", path="pkg/m.py")
     assert only_file["matches"] == [{"path": "src/pkg/m.py", "line": 3, "text": "needle()"}]
@@ -456,7 +457,7 @@ def test_grep_skips_binary_git_and_unreadable(
             raise PermissionError(errno.EACCES, "Permission denied", path)
         return open_regular(path, dir_fd=dir_fd)
 
-    monkeypatch.setattr("sandbx_pool.workers.tools.search.open_regular", open_or_refuse)
+    monkeypatch.setattr("sandbx_pool.workers.tools.grep.open_regular", open_or_refuse)
     value = call(ctx, "grep", pattern="hit")
     assert [m["path"] for m in value["matches"]] == ["ok.txt"]
     assert value["skipped"] == 1
@@ -515,8 +516,8 @@ def tree(ws: Path) -> Path:
         ("?.py", ["a.py"]),
         ("[ab].py", ["a.py"]),
         ("[!a].py", []),
-        ("**/", [".github", "src", "src/deep"]),
-        ("**/*.yml", [".github/ci.yml"]),
+        ("**/", ["src", "src/deep"]),  # .github is hidden
+        ("**/*.yml", []),
         ("./src/b.py", ["src/b.py"]),
     ],
 )
@@ -526,6 +527,23 @@ def test_find_glob(ctx: ExecutionContext, tree: Path, pattern: str, expected: li
         "truncated": False,
         "skipped": 0,
     }
+
+
+def test_find_hidden_gitignore_and_total(ctx: ExecutionContext, tree: Path) -> None:
+    assert call(ctx, "find", pattern="**/*.yml", hidden=True)["paths"] == [".github/ci.yml"]
+    (tree / ".gitignore").write_text("deep/\n")
+    assert call(ctx, "find", pattern="**/*.py")["paths"] == ["a.py", "src/b.py"]
+    every = call(ctx, "find", pattern="**/*.py", respect_gitignore=False)
+    assert every["paths"] == ["a.py", "src/b.py", "src/deep/c.py"]
+    (tree / ".git").mkdir()
+    (tree / ".git" / "x.py").write_text("")
+    assert ".git/x.py" not in call(ctx, "find", pattern="**", hidden=True)["paths"]
+    for i in range(50):
+        (tree / f"n{i:02}.py").write_text("")
+    cut = call(make_ctx(tree, max_output_bytes=300), "find", pattern="**/*.py")
+    assert cut["truncated"] is True
+    assert cut["total"] == 52
+    assert 0 < len(cut["paths"]) < 52
 
 
 def test_find_under_a_path_reports_workspace_paths(ctx: ExecutionContext, tree: Path) -> None:

@@ -52,6 +52,9 @@ MNT_DETACH = 2
 # mount_setattr(2): a generic syscall number, the same on every architecture.
 _SYS_MOUNT_SETATTR = 442
 _MOUNT_ATTR_RDONLY = 1
+_MOUNT_ATTR_NOSYMFOLLOW = 0x00200000
+#: statvfs f_flag: the mount follows no symlink (Linux 5.10; os has no constant for it).
+ST_NOSYMFOLLOW = 0x2000
 _AT_FDCWD = -100
 _AT_RECURSIVE = 0x8000
 
@@ -156,8 +159,19 @@ def pivot_root(new_root: str, put_old: str) -> None:
 def set_read_only(path: str, *, recursive: bool) -> None:
     """Make the mount at ``path`` (and, ``recursive``, every mount beneath it) read-only, in
     one call (mount_setattr, Linux 5.12): a remount would need each mount's own flags."""
+    _set_mount_attributes(path, _MOUNT_ATTR_RDONLY, recursive=recursive)
+
+
+def set_no_symlinks(path: str) -> None:
+    """Make the mounts at and beneath ``path`` follow no symlink (MOUNT_ATTR_NOSYMFOLLOW,
+    Linux 5.10): resolving a path through a symlink on them fails with ELOOP, whoever does it
+    (readlink still works)."""
+    _set_mount_attributes(path, _MOUNT_ATTR_NOSYMFOLLOW, recursive=True)
+
+
+def _set_mount_attributes(path: str, attributes: int, *, recursive: bool) -> None:
     # struct mount_attr: attr_set, attr_clr, propagation, userns_fd; all u64.
-    attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY)
+    attr = (ctypes.c_uint64 * 4)(attributes)
     flags = _AT_RECURSIVE if recursive else 0
     path_arg = ctypes.c_char_p(os.fsencode(path))
     syscall(f"mount_setattr {path}", _SYS_MOUNT_SETATTR, _AT_FDCWD, path_arg, flags, attr, 32)

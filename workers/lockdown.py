@@ -97,7 +97,9 @@ def _bind_masks(scratch: str, fds: Iterable[int]) -> None:
     # chmod. Bind mounts copy its read-only flag and keep it alive once it is detached from the
     # scratch directory, which then shows what it did before.
     flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
-    _libc.mount("mask", scratch, "tmpfs", flags, "size=4k,mode=000")
+    # Mode 0700, not 000: a root without CAP_DAC_OVERRIDE (a pool started with it dropped)
+    # must still create the masks in it; it is detached before anything else runs.
+    _libc.mount("mask", scratch, "tmpfs", flags, "size=4k,mode=700")
     try:
         os.close(os.open(f"{scratch}/file", os.O_CREAT | os.O_WRONLY, 0))
         os.mkdir(f"{scratch}/dir", 0)

@@ -66,6 +66,7 @@ from sandbx_pool.workers.rules import (
     preload,
     within,
 )
+from sandbx_pool.workers.schemas import FOLLOW_NO_SYMLINKS
 
 
 class SandboxError(ToolError):
@@ -163,7 +164,11 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             _enter_view(box, owner)
         if runs_programs:
             private = box.view is not None or _private_mounts(
-                box, ctx, owner, [ctx.workspace, ctx.cwd, *box.writable]
+                box,
+                ctx,
+                owner,
+                [ctx.workspace, ctx.cwd, *box.writable],
+                no_symlinks=call.tool in FOLLOW_NO_SYMLINKS,
             )
             tmpdir = None if box.view is not None else _make_tmpdir(box, ctx.call_id, owner)
             env = {**ctx.env, "TMPDIR": tmpdir} if tmpdir is not None else dict(ctx.env)
@@ -294,7 +299,12 @@ def _tmp_owner(box: Sandbox, args: object) -> Identity | None:
 
 
 def _private_mounts(
-    box: Sandbox, ctx: ExecutionContext | None, owner: Identity | None, needed: list[str]
+    box: Sandbox,
+    ctx: ExecutionContext | None,
+    owner: Identity | None,
+    needed: list[str],
+    *,
+    no_symlinks: bool = False,
 ) -> bool:
     """A mount namespace of our own: a private /proc, the hidden directories covered, root's
     secrets masked and the kernel's files read-only (workers.lockdown), a private /dev/shm, the
@@ -342,6 +352,8 @@ def _private_mounts(
         options = f"size={box.tmp_size_mb}m,mode=0700,uid={uid},gid={gid}"
         _libc.mount("sandbx-tmp", box.tmp_root, "tmpfs", _libc.MS_NOSUID | _libc.MS_NODEV, options)
     protect(ctx.workspace, box.protected)
+    if no_symlinks:
+        _follow_no_symlinks(ctx.workspace)
     return True
 
 
@@ -356,6 +368,23 @@ def _enter_view(box: Sandbox, owner: Identity | None) -> None:
         view.enter(box.view)
     except OSError as exc:
         raise SandboxError(f"cannot enter the view {box.view}: {exc}") from exc
+
+
+def _follow_no_symlinks(workspace: str) -> None:
+    """Bind the workspace onto itself, following no symlink (grep's and find's ``rg``).
+
+    rg walks by path, not by descriptor: a parallel call that swaps a directory for a symlink
+    to /etc between rg's listing and its open would have rg read /etc, which Landlock lets a
+    program read. On this bind the kernel refuses to follow any symlink in the workspace
+    (ELOOP), whoever resolves it. The tool checks that the bind holds (statvfs) before it runs
+    rg, and walks by descriptor itself where it does not (not root, kernel before 5.10).
+    """
+    root = os.path.realpath(workspace)
+    try:
+        _libc.mount(root, root, None, _libc.MS_BIND | _libc.MS_REC, None)
+        _libc.set_no_symlinks(root)
+    except OSError:
+        return
 
 
 def protect(workspace: str, patterns: tuple[str, ...]) -> list[str]:

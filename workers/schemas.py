@@ -80,21 +80,67 @@ class LsArgs(ToolArgs):
     path: Path = "."
 
 
-class GrepArgs(ToolArgs):
-    """Search file contents with a regular expression."""
+Lines = Annotated[int, Meta(ge=0, le=1000)]
 
-    pattern: Annotated[str, Meta(description="Python regular expression.")]
+
+class GrepArgs(ToolArgs):
+    """Search file contents with a regular expression (ripgrep's syntax and file rules)."""
+
+    pattern: Annotated[
+        str,
+        Meta(
+            description="Regular expression, ripgrep's syntax (Rust regex); one only Python's "
+            "re accepts (look-around, backreferences) works too, more slowly."
+        ),
+    ]
     path: Path = "."
     glob: Annotated[
-        str | None, Meta(description="Only search files whose path matches this glob.")
+        str | None,
+        Meta(
+            description="Only search files matching this glob, e.g. '*.py' (any depth) or "
+            "'src/**/*.ts' (from path); as ripgrep's --glob."
+        ),
     ] = None
     ignore_case: bool = False
     # The bound goes on the int alone: msgspec refuses `ge` on a union with None.
     max_results: Annotated[
-        Annotated[int, Meta(ge=1)] | None, Meta(description="Stop after this many matches.")
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(description="Stop after this many matches, files or counts (default 1000)."),
     ] = None
     respect_gitignore: Annotated[
-        bool, Meta(description="Skip files and directories that .gitignore files exclude.")
+        bool,
+        Meta(
+            description="Skip what .gitignore, .ignore and .git/info/exclude exclude "
+            "(.git itself is never searched)."
+        ),
+    ] = True
+    output_mode: Annotated[
+        Literal["content", "files_with_matches", "count"],
+        Meta(
+            description="'content': matching lines in `matches`; 'files_with_matches': the "
+            "paths in `files`; 'count': `counts`, a {path, count} per file."
+        ),
+    ] = "content"
+    context_before: Annotated[
+        Lines | None, Meta(description="Lines before each match, in its `before` (as rg -B).")
+    ] = None
+    context_after: Annotated[
+        Lines | None, Meta(description="Lines after each match, in its `after` (as rg -A).")
+    ] = None
+    context: Annotated[
+        Lines | None,
+        Meta(description="Lines before and after each match, unless given apart (as rg -C)."),
+    ] = None
+    type: Annotated[
+        str | None,
+        Meta(description="Only files of this ripgrep type, e.g. 'py', 'js', 'rust' (rg -t)."),
+    ] = None
+    multiline: Annotated[
+        bool,
+        Meta(description="Let a match span lines ('.' matches a newline too), as rg -U."),
+    ] = False
+    hidden: Annotated[
+        bool, Meta(description="Search hidden files and directories (names starting with '.').")
     ] = False
 
 
@@ -103,6 +149,16 @@ class FindArgs(ToolArgs):
 
     pattern: Annotated[str, Meta(description="Glob relative to path, e.g. '**/*.py'.")]
     path: Path = "."
+    hidden: Annotated[
+        bool, Meta(description="List hidden files and directories (names starting with '.').")
+    ] = False
+    respect_gitignore: Annotated[
+        bool,
+        Meta(
+            description="Leave out what .gitignore, .ignore and .git/info/exclude exclude "
+            "(.git itself is never listed)."
+        ),
+    ] = True
 
 
 class BashArgs(ToolArgs):
@@ -163,7 +219,12 @@ SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash"})
 #: Tools that start programs. Only these get the confinement steps that bound what an exec'd
 #: program can do (workers.sandbox.confine), and a SIGTERM and grace period before SIGKILL
 #: when they are stopped: the others run only our own code, which holds nothing to clean up.
-RUNS_PROGRAMS = frozenset({"bash"})
+RUNS_PROGRAMS = frozenset({"bash", "grep"})
+
+#: Tools that run a program (rg) which must follow no symlink in the workspace, whatever a
+#: parallel call swaps in: their mount namespace binds it with symlinks refused
+#: (workers.sandbox), which they check before they run it.
+FOLLOW_NO_SYMLINKS = frozenset({"grep"})
 
 
 class UnknownTool(ValueError):

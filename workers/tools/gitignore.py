@@ -13,21 +13,36 @@ The common subset of gitignore(5), enough for the files real repositories carry:
   a final ``/**`` everything inside.
 
 An excluded directory is not entered, so (as in git) nothing below it can be re-included.
-Not supported: ``.git/info/exclude``, ``core.excludesFile``, backslash escapes other than the
-two above. Every .gitignore from the workspace root down to the searched directory counts,
-as git would count the ones above a subdirectory.
+
+The files, as ripgrep reads them (``respect_gitignore``): ``.rgignore``, ``.ignore``,
+``.gitignore`` in each directory and ``.git/info/exclude`` in a repository's root. A match in
+an earlier kind decides over any match in a later one (an ``.ignore`` re-includes what a
+``.gitignore`` excludes); within a kind, the deepest directory's last matching line wins.
+Every file from the workspace root down to the searched directory counts, as git would count
+the ones above a subdirectory; nothing above the workspace is read. Not supported:
+``core.excludesFile``, backslash escapes other than the two above.
 """
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Container
 from typing import NamedTuple
 
 from sandbx_pool.workers.globs import translate_parts
+from sandbx_pool.workers.paths import DIRECTORY_FLAGS
 from sandbx_pool.workers.tools.files import open_regular
 
 #: Bytes read from one .gitignore at most: a pathological one must not cost a whole grep.
 MAX_GITIGNORE_BYTES = 256 * 1024
+
+
+#: The ignore files of a directory, the most decisive first; ``.git/info/exclude`` is last.
+KINDS = (".rgignore", ".ignore", ".gitignore")
+_EXCLUDE = ".git/info/exclude"
+#: The names in a directory that hold ignore rules.
+NAMES = frozenset({*KINDS, ".git"})
 
 
 class _Rule(NamedTuple):
@@ -35,6 +50,7 @@ class _Rule(NamedTuple):
     negate: bool
     dir_only: bool
     anchored: bool
+    glob: str  # the pattern as written, without "!" and the trailing "/"
 
 
 def _compile_line(line: str) -> _Rule | None:
@@ -55,7 +71,13 @@ def _compile_line(line: str) -> _Rule | None:
     parts = [part for part in line.split("/") if part]
     if not parts:
         return None
-    return _Rule(re.compile(translate_parts(parts), re.DOTALL), negate, dir_only, anchored)
+    regex = re.compile(translate_parts(parts), re.DOTALL)
+    return _Rule(regex, negate, dir_only, anchored, "/".join(parts))
+
+
+def compile_glob_rule(glob: str) -> _Rule | None:
+    """One pattern as a .gitignore line (what rg's --glob is), None if it holds none."""
+    return _compile_line(glob)
 
 
 def parse_gitignore(text: str) -> list[_Rule]:
@@ -63,7 +85,7 @@ def parse_gitignore(text: str) -> list[_Rule]:
 
 
 class GitIgnore:
-    """The rules met so far on a walk, keyed by the directory of their .gitignore.
+    """The rules met so far on a walk, keyed by the directory of their file and its kind.
 
     Paths are walk-relative (``a/b.txt`` under the searched directory); ``base`` is where that
     directory sits in the workspace (``""`` or ``src/``), so rules found above it apply too.
@@ -72,51 +94,112 @@ class GitIgnore:
     def __init__(self, base: str, ancestors: list[int]) -> None:
         """``base`` is the searched directory's path in the workspace (``""``, ``src/``);
         ``ancestors`` the fds of the directories above it, the workspace first."""
-        self._rules: dict[str, list[_Rule]] = {}
+        self._rules: dict[tuple[str, str], list[_Rule]] = {}
+        self._applicable: dict[str, list[tuple[int, int, list[_Rule]]]] = {}
         self.base = base
-        # The .gitignore files above the searched directory, from the workspace root down.
+        # The ignore files above the searched directory, from the workspace root down.
         prefix = ""
         for name, dir_fd in zip(base.split("/")[:-1], ancestors, strict=False):
             self._load(prefix, dir_fd)
             prefix = f"{prefix}{name}/"
+        #: Their rules, for rg (which reads nothing above the searched directory).
+        self.above = dict(self._rules)
 
-    def enter(self, rel_dir: str, dir_fd: int) -> None:
-        """Read the .gitignore of a directory the walk is about to list (``""``: the root)."""
-        self._load(f"{self.base}{rel_dir}", dir_fd)
+    def enter(self, rel_dir: str, dir_fd: int, present: Container[str] | None = None) -> None:
+        """Read the ignore files of a directory the walk is about to list (``""``: the root);
+        ``present``, the names the directory holds if known, spares opening missing ones
+        (five failed opens per directory cost find a third of its time)."""
+        self._load(f"{self.base}{rel_dir}", dir_fd, present)
 
-    def _load(self, prefix: str, dir_fd: int) -> None:
-        try:
-            # Never a symlink, a FIFO or a device: the walk's own rule for what it opens.
-            f = open_regular(".gitignore", dir_fd=dir_fd)
-        except OSError:
-            return
-        if f is None:
-            return
-        with f:
-            try:
-                data = f.read(MAX_GITIGNORE_BYTES)
-            except OSError:
-                return
-        rules = parse_gitignore(data.decode("utf-8", errors="replace"))
-        if rules:
-            self._rules[prefix] = rules
+    def _load(self, prefix: str, dir_fd: int, present: Container[str] | None = None) -> None:
+        for kind in (*KINDS, _EXCLUDE):
+            if present is not None and kind.split("/", 1)[0] not in present:
+                continue
+            text = _read(kind, dir_fd)
+            rules = parse_gitignore(text) if text else []
+            if rules:
+                self._rules[prefix, kind] = rules
 
     def ignored(self, rel: str, is_dir: bool) -> bool:
         """Whether the walk-relative ``rel`` is excluded by the rules above it."""
         path = f"{self.base}{rel}"
-        verdict = False
-        # Every ancestor directory, shallowest first, so deeper rules are consulted last.
+        slash = path.rfind("/")
+        directory = path[: slash + 1]
+        applicable = self._applicable.get(directory)
+        if applicable is None:
+            applicable = self._applicable[directory] = self._collect(directory)
+        verdict: bool | None = None
+        kind = -1
+        for rank, cut, rules in applicable:
+            if rank != kind:
+                if verdict is not None:
+                    return verdict  # an earlier kind decided
+                kind = rank
+            verdict = _apply(rules, path[cut:], is_dir, verdict)
+        return bool(verdict)
+
+    def _collect(self, directory: str) -> list[tuple[int, int, list[_Rule]]]:
+        """The rules that apply in ``directory`` (``""``, ``a/b/``), each with its kind's rank
+        and where its own directory's path ends, the most decisive kind first and, within
+        a kind, the shallowest first (so that deeper rules are consulted last). Computed once
+        per directory: the walk has entered it, and every directory above, by then."""
+        found = []
         cut = 0
-        while cut != -1:
-            rules = self._rules.get(path[:cut])
-            if rules:
-                verdict = _apply(rules, path[cut:], is_dir, verdict)
-            slash = path.find("/", cut)
-            cut = -1 if slash == -1 else slash + 1
-        return verdict
+        while True:
+            prefix = directory[:cut]
+            for rank, kind in enumerate((*KINDS, _EXCLUDE)):
+                rules = self._rules.get((prefix, kind))
+                if rules:
+                    found.append((rank, cut, rules))
+            slash = directory.find("/", cut)
+            if slash == -1:
+                break
+            cut = slash + 1
+        found.sort(key=lambda item: item[:2])
+        return found
+
+    def above_as_text(self) -> str:
+        """The rules from above the searched directory as one ignore file whose patterns are
+        relative to the workspace root (rg's ``--ignore-file``, run from the workspace)."""
+        lines = []
+        for kind in (_EXCLUDE, *reversed(KINDS)):  # the least decisive first: the last wins
+            for (prefix, rule_kind), rules in self.above.items():
+                if rule_kind != kind:
+                    continue
+                for rule in rules:
+                    glob = rule.glob if rule.anchored else f"**/{rule.glob}"
+                    line = f"/{prefix}{glob}" if prefix or rule.anchored else rule.glob
+                    lines.append(
+                        ("!" if rule.negate else "") + line + ("/" if rule.dir_only else "")
+                    )
+        return "".join(f"{line}\n" for line in lines)
 
 
-def _apply(rules: list[_Rule], sub: str, is_dir: bool, verdict: bool) -> bool:
+def _read(name: str, dir_fd: int) -> str:
+    """An ignore file's text, '' if missing or unreadable."""
+    parent = dir_fd
+    opened = []
+    try:
+        *dirs, leaf = name.split("/")
+        for part in dirs:
+            # Never through a symlink: the walk's own rule (O_NOFOLLOW at every step).
+            parent = os.open(part, DIRECTORY_FLAGS, dir_fd=parent)
+            opened.append(parent)
+        # Never a symlink, a FIFO or a device: the walk's own rule for what it opens.
+        f = open_regular(leaf, dir_fd=parent)
+        if f is None:
+            return ""
+        with f:
+            data = f.read(MAX_GITIGNORE_BYTES)
+    except OSError:
+        return ""
+    finally:
+        for fd in opened:
+            os.close(fd)
+    return data.decode("utf-8", errors="replace")
+
+
+def _apply(rules: list[_Rule], sub: str, is_dir: bool, verdict: bool | None) -> bool | None:
     name = sub.rsplit("/", 1)[-1]
     for rule in rules:
         if rule.dir_only and not is_dir:

@@ -1,4 +1,4 @@
-"""The search tools: grep (file contents) and find (paths), over one shared tree walk.
+"""The tree walk grep (workers.tools.grep) and find share, and find itself.
 
 The walk must never hang and never loop, whatever the tree holds:
 
@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fnmatch
 import os
-import re
 import stat
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 from sandbx_pool.workers.errors import ToolError
@@ -44,27 +42,25 @@ from sandbx_pool.workers.paths import (
     resolve,
 )
 from sandbx_pool.workers.protocol import ExecutionContext
-from sandbx_pool.workers.schemas import FindArgs, GrepArgs
-from sandbx_pool.workers.tools.files import (
-    SNIFF_BYTES,
-    is_binary,
-    open_regular,
-    os_error,
-    printable,
-)
+from sandbx_pool.workers.schemas import FindArgs
+from sandbx_pool.workers.tools.files import os_error, printable
+from sandbx_pool.workers.tools.gitignore import NAMES as IGNORE_NAMES
 from sandbx_pool.workers.tools.gitignore import GitIgnore
-
-#: grep's max_results when the call gives none.
-DEFAULT_MAX_MATCHES = 1000
-
-#: A matching line longer than this is cut: one minified file must not fill the whole answer.
-MAX_LINE_CHARS = 500
 
 #: find stops after this many paths even below max_output_bytes.
 MAX_FIND_RESULTS = 10_000
 
 #: Bytes of framing counted per result besides its strings, roughly what the encoding adds.
 _RESULT_OVERHEAD = 32
+
+
+def is_regular(entry: os.DirEntry[str]) -> bool:
+    try:
+        # The entry's own type (lstat): a symlink to a file is not followed, and a FIFO or
+        # device is never opened.
+        return entry.is_file(follow_symlinks=False)
+    except OSError:
+        return False
 
 
 def _is_directory(entry: os.DirEntry[str]) -> bool:
@@ -87,20 +83,32 @@ class TreeWalk:
     """
 
     def __init__(
-        self, root_fd: int, prune: Container[str] = (), ignore: GitIgnore | None = None
+        self,
+        root_fd: int,
+        prune: Container[str] = (),
+        ignore: GitIgnore | None = None,
+        *,
+        hidden: bool = True,
+        files: Callable[[str], bool | None] | None = None,
     ) -> None:
         self.prune = prune
         self.ignore = ignore
+        self.hidden = hidden
+        self.files = files
         self.skipped = 0
         self._root = root_fd
+        self._present: set[str] = set()
         self._top = self._list(root_fd)
         if ignore is not None:
-            ignore.enter("", root_fd)
+            ignore.enter("", root_fd, self._present)
 
-    @staticmethod
-    def _list(fd: int) -> Iterator[os.DirEntry[str]]:
+    def _list(self, fd: int) -> Iterator[os.DirEntry[str]]:
         with os.scandir(fd) as it:
-            return iter(sorted(it, key=lambda entry: entry.name))
+            entries = sorted(it, key=lambda entry: entry.name)
+        if self.ignore is not None:
+            # Which ignore files the directory holds: GitIgnore.enter opens only those.
+            self._present = {entry.name for entry in entries if entry.name in IGNORE_NAMES}
+        return iter(entries)
 
     def _enter(self, name: str, parent: int) -> tuple[int, Iterator[os.DirEntry[str]]] | None:
         try:
@@ -130,22 +138,31 @@ class TreeWalk:
                     continue
                 rel = f"{prefix}{entry.name}"
                 is_dir = _is_directory(entry)  # False for a symlinked directory: never entered
-                if self.ignore is not None and self.ignore.ignored(rel, is_dir):
+                if self._left_out(rel, entry.name, is_dir):
                     continue
                 yield rel, entry, fd
                 if is_dir and entry.name not in self.prune:
                     child = self._enter(entry.name, fd)
                     if child is not None:
                         if self.ignore is not None:
-                            self.ignore.enter(f"{rel}/", child[0])
+                            self.ignore.enter(f"{rel}/", child[0], self._present)
                         stack.append((f"{rel}/", *child))
         finally:
             for _, fd, _ in stack:
                 if fd != self._root:
                     os.close(fd)
 
+    def _left_out(self, rel: str, name: str, is_dir: bool) -> bool:
+        if not is_dir and self.files is not None:
+            verdict = self.files(rel)
+            if verdict is not None:
+                return not verdict
+        if not self.hidden and name.startswith("."):
+            return True
+        return self.ignore is not None and self.ignore.ignored(rel, is_dir)
 
-class _Root:
+
+class Root:
     """The search root, reached from the workspace one name at a time; closes what it opened.
 
     ``parent`` is the directory holding it and ``name`` its name in there (None when the root
@@ -197,128 +214,11 @@ class _Root:
             os.close(fd)
         self.above = []
 
-    def __enter__(self) -> _Root:
+    def __enter__(self) -> Root:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-# -- grep --------------------------------------------------------------------------------------
-
-
-class _GlobFilter:
-    """grep's ``glob``: fnmatch on the path relative to the search root or on the basename,
-    or find's glob on the relative path (so ``**/*.py`` also takes top-level files)."""
-
-    def __init__(self, pattern: str) -> None:
-        self.pattern = pattern
-        self.regex, _ = compile_glob(pattern)
-
-    def __call__(self, rel: str, name: str) -> bool:
-        return (
-            fnmatch.fnmatchcase(rel, self.pattern)
-            or fnmatch.fnmatchcase(name, self.pattern)
-            or self.regex.fullmatch(rel) is not None
-        )
-
-
-class _Matches:
-    """Collects grep matches until max_results or max_output_bytes would be passed."""
-
-    def __init__(self, max_results: int, max_bytes: int) -> None:
-        self.items: list[dict[str, Any]] = []
-        self.max_results = max_results
-        self.room = max_bytes
-        self.truncated = False
-
-    def add(self, path: str, line: int, text: str) -> bool:
-        """Record one match; False (and ``truncated``) once it does not fit."""
-        cost = len(path.encode()) + len(text.encode()) + _RESULT_OVERHEAD
-        if len(self.items) >= self.max_results or cost > self.room:
-            self.truncated = True
-            return False
-        self.room -= cost
-        self.items.append({"path": path, "line": line, "text": text})
-        return True
-
-
-def _search_file(
-    name: str, dir_fd: int, display: str, regex: re.Pattern[str], matches: _Matches
-) -> bool:
-    """Add the matching lines of the file ``name`` in ``dir_fd``; False when the matches are
-    full. Raises OSError."""
-    f = open_regular(name, dir_fd=dir_fd)
-    if f is None:
-        return True  # swapped for a non-regular file since the walk saw it
-    with f:
-        if is_binary(f.peek(SNIFF_BYTES)):
-            return True
-        for number, raw in enumerate(f, start=1):
-            line = raw.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
-            if regex.search(line) and not matches.add(display, number, line[:MAX_LINE_CHARS]):
-                return False
-    return True
-
-
-def _is_regular(entry: os.DirEntry[str]) -> bool:
-    try:
-        # The entry's own type (lstat): a symlink to a file is not followed, and a FIFO or
-        # device is never opened.
-        return entry.is_file(follow_symlinks=False)
-    except OSError:
-        return False
-
-
-def grep_files(args: GrepArgs, ctx: ExecutionContext) -> dict[str, Any]:
-    """Lines matching a Python regex in a file, or in the regular files under a directory.
-
-    ``.git`` directories are not searched, nor binary files (a NUL in the first 8 KiB); see
-    the module docstring for what the walk never follows or opens. ``glob`` and
-    ``respect_gitignore`` (see ``workers.tools.gitignore``) do not filter an explicitly named
-    file.
-    """
-    try:
-        regex = re.compile(args.pattern, re.IGNORECASE if args.ignore_case else 0)
-    except re.error as exc:
-        raise ToolError(f"invalid regular expression {args.pattern!r}: {exc}") from exc
-    real = resolve(ctx, args.path)
-    matches = _Matches(args.max_results or DEFAULT_MAX_MATCHES, ctx.max_output_bytes)
-    skipped = 0
-    with contextlib.ExitStack() as stack:
-        try:
-            root = stack.enter_context(_Root(ctx, real, args.path))
-            # lstat, not open: the root may be a FIFO, which is refused below without opening it.
-            mode = root.mode()
-            if stat.S_ISREG(mode):
-                assert root.name is not None  # the workspace is a directory
-                display = printable(relative_to_workspace(ctx, real))
-                _search_file(root.name, root.parent, display, regex, matches)
-            elif stat.S_ISDIR(mode):
-                root_fd = root.open_directory()
-                ignore = None
-                if args.respect_gitignore:
-                    ignore = GitIgnore(root.prefix, root.ancestors())
-                walk = TreeWalk(root_fd, prune={".git"}, ignore=ignore)
-        except OSError as exc:
-            raise os_error(args.path, exc) from exc
-        if stat.S_ISDIR(mode):
-            wanted = _GlobFilter(args.glob) if args.glob is not None else None
-            for rel, entry, dir_fd in walk:
-                if not _is_regular(entry) or (wanted is not None and not wanted(rel, entry.name)):
-                    continue
-                display = printable(f"{root.prefix}{rel}")
-                try:
-                    more = _search_file(entry.name, dir_fd, display, regex, matches)
-                except OSError:
-                    skipped += 1
-                    continue
-                if not more:
-                    break
-            skipped += walk.skipped
-        elif not stat.S_ISREG(mode):
-            raise ToolError(f"{args.path} is not a regular file or a directory")
-    return {"matches": matches.items, "truncated": matches.truncated, "skipped": skipped}
 
 
 # -- find --------------------------------------------------------------------------------------
@@ -327,32 +227,46 @@ def grep_files(args: GrepArgs, ctx: ExecutionContext) -> dict[str, Any]:
 def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """Paths under ``path`` whose path relative to it matches the glob ``pattern``.
 
-    Lists every kind of entry (symlinks, FIFOs, ``.git`` included) without opening any, and
-    never descends a symlinked directory. Results are relative to the workspace, sorted.
+    Lists every kind of entry (symlinks, FIFOs, directories) without opening any, and never
+    descends a symlinked directory nor ``.git``. Hidden names and what the ignore files
+    exclude are left out unless asked for, as rg --files does. Results are relative to the
+    workspace, sorted; past the cap, ``total`` says how many matched.
     """
     regex, dir_only = compile_glob(args.pattern)
     real = resolve(ctx, args.path)
     found: list[str] = []
     room = ctx.max_output_bytes
-    truncated = False
+    total = 0
     with contextlib.ExitStack() as stack:
         try:
-            root = stack.enter_context(_Root(ctx, real, args.path))
+            root = stack.enter_context(Root(ctx, real, args.path))
             root.mode()  # a symlink loop is ELOOP, as it was when the root was opened by path
-            walk = TreeWalk(root.open_directory())
+            root_fd = root.open_directory()
+            ignore = GitIgnore(root.prefix, root.ancestors()) if args.respect_gitignore else None
+            walk = TreeWalk(root_fd, prune={".git"}, ignore=ignore, hidden=args.hidden)
         except NotADirectoryError:
             raise ToolError(f"{args.path} is not a directory", code="ENOTDIR") from None
         except OSError as exc:
             raise os_error(args.path, exc) from exc
         for rel, entry, _ in walk:
-            if regex.fullmatch(rel) is None:
+            if regex.fullmatch(rel) is None or entry.name == ".git":
                 continue
             if dir_only and not _is_directory(entry):
                 continue
+            total += 1
+            if total > len(found) + 1:
+                continue  # truncated already: only counted
             path = printable(f"{root.prefix}{rel}")
-            room -= len(path.encode()) + _RESULT_OVERHEAD
-            if len(found) >= MAX_FIND_RESULTS or room < 0:
-                truncated = True
-                break
+            cost = len(path.encode()) + _RESULT_OVERHEAD
+            if len(found) >= MAX_FIND_RESULTS or cost > room:
+                continue
+            room -= cost
             found.append(path)
-    return {"paths": sorted(found), "truncated": truncated, "skipped": walk.skipped}
+    value: dict[str, Any] = {
+        "paths": sorted(found),
+        "truncated": total > len(found),
+        "skipped": walk.skipped,
+    }
+    if total > len(found):
+        value["total"] = total
+    return value
