@@ -27,6 +27,7 @@ class CallState:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         limits: Limits | None = None,
+        workspace: str | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.call_id = call_id
@@ -36,6 +37,9 @@ class CallState:
         self.cwd = cwd
         self.env = env
         self.limits = limits
+        #: The absolute workspace this call is confined to: the pool's, unless the call named
+        #: its own (a node's pool serves every workspace on its node: integrations.ray).
+        self.workspace = workspace
         self.started_at = time.monotonic()
         self.context: ExecutionContext | None = None
         self.worker: Worker | None = None

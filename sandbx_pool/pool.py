@@ -301,6 +301,7 @@ class Pool:
         limits: Limits | None = None,
         call_id: str | None = None,
         on_output: OutputCallback | None = None,
+        workspace: str | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
 
@@ -308,6 +309,9 @@ class Pool:
         ``workers`` busy ones does not count). Cancelling the awaiting task kills the call;
         the CancelledError is re-raised once the worker is gone. ``on_output`` is called on
         the loop with each OutputChunk a bash command writes, while it runs (sandbx_pool.output).
+        ``workspace`` (an absolute path) confines this call to another workspace than the
+        pool's: one pool's workers then serve many workspaces (its file tools' Landlock rules
+        are prebuilt for the pool's own only, so another costs each call a few ms more).
         """
         if self.state is PoolState.NEW:
             raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
@@ -315,7 +319,9 @@ class Pool:
             raise PoolClosed("the pool is closed")
         if self._template_lost:
             raise TemplateLost("the worker template died; open a new pool")
-        _check_call_arguments(timeout, cwd, env, limits, call_id)
+        check_call_arguments(timeout, cwd, env, limits, call_id)
+        if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
+            raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
             # Two calls under one id would share one journal entry and one slot in _calls:
             # the first to end would hide the other from close() for good.
@@ -328,6 +334,7 @@ class Pool:
             cwd,
             env,
             limits,
+            _normalised(workspace) if workspace is not None else self.workspace,
         )
         call.on_output = on_output
         # Subscribing to a token that is already cancelled requests the kill at once, so the
@@ -378,7 +385,7 @@ class Pool:
                     args=raw if isinstance(raw, dict) else {"<invalid>": repr(raw)},
                     cwd=call.cwd or ".",
                     timeout_s=call.timeout_s,
-                    workspace=self.workspace,
+                    workspace=call.workspace or self.workspace,
                 )
             except JournalWriteError as exc:
                 # Fail closed: a side effect never starts without its durable intent. A
@@ -423,12 +430,13 @@ class Pool:
             return call.outcome(Status.ERROR, error=f"bad arguments: {exc}")
         except RecursionError:
             return call.outcome(Status.ERROR, error="bad arguments: nested too deeply")
+        workspace = call.workspace or self.workspace
         try:
-            call_cwd = confine.resolve_cwd(self.workspace, call.cwd)
+            call_cwd = confine.resolve_cwd(workspace, call.cwd)
         except ValueError as exc:
             return call.outcome(Status.DENIED, error=str(exc))
-        denial = confine.denial(self.workspace, call_cwd, args) or self._gate.denial(
-            call.tool, args, workspace=self.workspace, cwd=call_cwd
+        denial = confine.denial(workspace, call_cwd, args) or self._gate.denial(
+            call.tool, args, workspace=workspace, cwd=call_cwd
         )
         if denial is not None:
             return call.outcome(Status.DENIED, error=denial)
@@ -519,7 +527,7 @@ class Pool:
         """Everything the worker needs for this call, and nothing shared with another call."""
         return ExecutionContext(
             call_id=call.call_id,
-            workspace=self.workspace,
+            workspace=call.workspace or self.workspace,
             cwd=cwd,
             env=self.config.env.for_call(call.env),
             limits=call.limits or self.config.limits.for_workers(),
@@ -563,7 +571,12 @@ class Pool:
         return [worker.stuck_report() for worker in self._workers.quarantined()]
 
 
-def _check_call_arguments(
+def _normalised(path: str) -> str:
+    # Lexical only: the coordinator never touches the workspace's filesystem.
+    return os.path.normpath(path)
+
+
+def check_call_arguments(
     timeout: object, cwd: object, env: object, limits: object, call_id: object
 ) -> None:
     """Misuse of ``Pool.call`` is the caller's bug: a TypeError or ValueError, raised before
