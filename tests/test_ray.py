@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import ray
 from conftest import MARKER, _uptime, leftover_processes
-from helpers import wait_until, wait_until_sync
+from helpers import pids_with, tagged_sleep, unique_tag, wait_until, wait_until_sync
 from ray.cluster_utils import Cluster
 
 from sandbx_pool import CancelToken, Config
@@ -90,38 +89,8 @@ def live_nodes() -> set[str]:
     return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
 
 
-def pids_with(text: str) -> list[int]:
-    """Processes whose command line contains ``text``, and their children."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if text.encode() not in f.read():
-                    continue
-            with open(f"/proc/{entry}/task/{entry}/children") as f:
-                found += [int(entry), *map(int, f.read().split())]
-        except OSError:
-            continue
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def sleeper(tag: str) -> dict[str, Any]:
-    # bash stays the parent (a single command would be exec'ed), with the tag in its cmdline.
-    return {"command": f"sleep 1000 && echo {tag}"}
-
-
 async def started(tag: str) -> list[int]:
-    await wait_until(lambda: len(pids_with(tag)) >= 2, within_s=20, what=f"{tag} running")
+    await wait_until(lambda: bool(pids_with(tag)), within_s=20, what=f"{tag} running")
     return pids_with(tag)
 
 
@@ -167,11 +136,13 @@ async def test_a_workspace_cannot_leave_the_root(cluster: Cluster, root: Path) -
 async def test_a_token_kills_the_call_on_its_node(
     cluster: Cluster, root: Path, tmp_path: Path
 ) -> None:
-    tag = f"tok-{uuid.uuid4().hex}"
+    tag = unique_tag()
     async with RayPool(root, journal=tmp_path / "j.jsonl", config=CONFIG) as pool:
         token = CancelToken()
-        call = asyncio.create_task(pool.call("bash", sleeper(tag), cancel=token, workspace="t"))
-        pids = await started(tag)
+        call = asyncio.create_task(
+            pool.call("bash", {"command": tagged_sleep(tag)}, cancel=token, workspace="t")
+        )
+        await started(tag)
         asked = time.monotonic()
         token.cancel("enough")
         outcome = await call
@@ -181,7 +152,7 @@ async def test_a_token_kills_the_call_on_its_node(
     assert outcome.reason == "enough"
     assert outcome.node in live_nodes()
     assert answered < 2.0
-    assert not [pid for pid in pids if alive(pid)]
+    await wait_until(lambda: not pids_with(tag), within_s=0.5, what="gone")
     record = read_journal(tmp_path / "j.jsonl").records[-1]
     assert isinstance(record, OutcomeRecord)
     assert (record.status, record.killed_by, record.node) == ("cancelled", "token", outcome.node)
@@ -190,16 +161,16 @@ async def test_a_token_kills_the_call_on_its_node(
 async def test_a_task_cancel_kills_the_call_on_its_node(
     cluster: Cluster, root: Path, tmp_path: Path
 ) -> None:
-    tag = f"task-{uuid.uuid4().hex}"
+    tag = unique_tag()
     async with RayPool(root, journal=tmp_path / "j.jsonl", config=CONFIG) as pool:
-        call = asyncio.create_task(pool.call("bash", sleeper(tag), workspace="t"))
-        pids = await started(tag)
+        call = asyncio.create_task(pool.call("bash", {"command": tagged_sleep(tag)}, workspace="t"))
+        await started(tag)
         asked = time.monotonic()
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
         assert time.monotonic() - asked < 2.0
-    assert not [pid for pid in pids if alive(pid)]
+    await wait_until(lambda: not pids_with(tag), within_s=0.5, what="gone")
     record = read_journal(tmp_path / "j.jsonl").records[-1]
     assert isinstance(record, OutcomeRecord)
     assert (record.status, record.killed_by) == ("cancelled", "task")
@@ -220,15 +191,14 @@ def test_a_rollout_worker_calls_its_nodes_pool_and_ray_cancel_kills(
     assert outcome.value["content"] == "hello\n"
     assert outcome.node in live_nodes()
 
-    tag = f"raycancel-{uuid.uuid4().hex}"
+    tag = unique_tag()
     handle = node_pool(config=CONFIG)
-    ref = handle.call.remote("bash", sleeper(tag), workspace=str(root))
-    wait_until_sync(lambda: len(pids_with(tag)) >= 2, within_s=20, what=f"{tag} running")
-    pids = pids_with(tag)
+    ref = handle.call.remote("bash", {"command": tagged_sleep(tag)}, workspace=str(root))
+    wait_until_sync(lambda: bool(pids_with(tag)), within_s=20, what=f"{tag} running")
     ray.cancel(ref)
     with pytest.raises(ray.exceptions.TaskCancelledError):
         ray.get(ref, timeout=10)
-    wait_until_sync(lambda: not [pid for pid in pids if alive(pid)], within_s=2, what="gone")
+    wait_until_sync(lambda: not pids_with(tag), within_s=2, what="gone")
 
 
 def test_the_cli_runs_a_batch_on_the_cluster(cluster: Cluster, root: Path, tmp_path: Path) -> None:
@@ -295,7 +265,7 @@ async def test_node_loss_ends_its_calls_crashed_and_moves_its_workspaces(
     """Last in the module: it removes the second node."""
     head = cluster.head_node.node_id
     other = next(node for node in cluster.list_all_nodes() if node.node_id != head)
-    tag = f"lost-{uuid.uuid4().hex}"
+    tag = unique_tag()
     journal = tmp_path / "j.jsonl"
     async with RayPool(root, journal=journal, config=CONFIG) as pool:
         # Place workspaces until one lands on the node about to go.
@@ -305,8 +275,10 @@ async def test_node_loss_ends_its_calls_crashed_and_moves_its_workspaces(
             if placed.node == other.node_id:
                 name = f"w{n}"
                 break
-        call = asyncio.create_task(pool.call("bash", sleeper(tag), workspace=name, call_id="b"))
-        pids = await started(tag)
+        call = asyncio.create_task(
+            pool.call("bash", {"command": tagged_sleep(tag)}, workspace=name, call_id="b")
+        )
+        await started(tag)
         cluster.remove_node(other, allow_graceful=False)
         outcome = await asyncio.wait_for(call, 30)
         assert outcome.status is Status.CRASHED
@@ -316,7 +288,7 @@ async def test_node_loss_ends_its_calls_crashed_and_moves_its_workspaces(
         later = await pool.call("ls", {}, workspace=name)
         assert later.status is Status.OK
         assert later.node == head
-    await wait_until(lambda: not [pid for pid in pids if alive(pid)], within_s=10, what="gone")
+    await wait_until(lambda: not pids_with(tag), within_s=10, what="gone")
     plan = resume_plan(journal)
     assert "b" not in plan.finished
     assert plan.in_doubt == {"b": "bash"}
