@@ -12,6 +12,8 @@ that a shared machine's noise falls on both alike.
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,7 +50,10 @@ def run(ws: BenchWorkspace, *, calls: int) -> ClusterResult:
 
     from sandbx_pool.integrations.ray import shutdown_node_pools
 
-    node = {"num_cpus": 1, "object_store_memory": 80_000_000}
+    # Ray's sessions (logs, sockets) in a directory of ours, removed at the end: short, for the
+    # unix sockets' 107-byte path limit (the run's own directory is too deep).
+    temp_dir = tempfile.mkdtemp(prefix="sbx-ray-")
+    node = {"num_cpus": 1, "object_store_memory": 80_000_000, "temp_dir": temp_dir}
     cluster = Cluster(initialize_head=True, connect=True, head_node_args=node)
     try:
         cluster.add_node(**node)
@@ -58,6 +63,7 @@ def run(ws: BenchWorkspace, *, calls: int) -> ClusterResult:
         shutdown_node_pools()
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 async def _run(ws: BenchWorkspace, calls: int) -> ClusterResult:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,14 +57,17 @@ def no_process_left_behind() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     since = _uptime() - 0.01
+    # Ray's sessions (logs, sockets) in a directory of ours, removed at the end, not in /tmp/ray.
+    temp_dir = tempfile.mkdtemp(prefix="sbx-ray-")
+    node_args = {**NODE_ARGS, "temp_dir": temp_dir}
     head = {
-        **NODE_ARGS,
+        **node_args,
         # A dead node is noticed in about 1 s instead of 15 (test_node_loss).
         "_system_config": {"health_check_period_ms": 200, "health_check_failure_threshold": 3},
     }
     cluster = Cluster(initialize_head=True, connect=True, head_node_args=head)
     try:
-        cluster.add_node(**NODE_ARGS)
+        cluster.add_node(**node_args)
         cluster.wait_for_nodes()
         yield cluster
     finally:
@@ -74,6 +80,7 @@ def cluster() -> Iterator[Cluster]:
         while left and time.monotonic() < deadline:
             time.sleep(0.1)  # the outside world: Ray's processes being reaped
             left = leftover_processes(since)
+        shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"the Ray cluster left processes behind: {left}"
 
 
@@ -257,6 +264,36 @@ def test_the_cli_runs_a_batch_on_the_cluster(cluster: Cluster, root: Path, tmp_p
     )
     assert resumed.returncode == 0, resumed.stderr
     assert "8 skipped" in resumed.stdout
+
+
+def test_a_signal_stops_a_cluster_batch_and_its_calls(
+    cluster: Cluster, root: Path, tmp_path: Path
+) -> None:
+    tag = unique_tag()
+    lines = [
+        {"id": f"s{n}", "tool": "bash", "args": {"command": tagged_sleep(tag)}, "workspace": "t"}
+        for n in range(2)
+    ]
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    journal = tmp_path / "j.jsonl"
+    argv = [sys.executable, "-m", "sandbx_pool.cli", "run", str(calls), "--workspace", str(root)]
+    argv += ["--ray", cluster.address, "--journal", str(journal)]
+    with (tmp_path / "out").open("w") as out:
+        run = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_until_sync(lambda: len(pids_with(tag)) == 2, within_s=60, what="both running")
+            run.send_signal(signal.SIGINT)
+            assert run.wait(timeout=30) == 128 + signal.SIGINT
+        finally:
+            run.kill()
+            run.wait()
+    wait_until_sync(lambda: not pids_with(tag), within_s=2, what="the calls' processes gone")
+    outcomes = [r for r in read_journal(journal).records if isinstance(r, OutcomeRecord)]
+    assert {(r.call_id, r.status, r.killed_by) for r in outcomes} == {
+        ("s0", "cancelled", "shutdown"),
+        ("s1", "cancelled", "shutdown"),
+    }
 
 
 async def test_node_loss_ends_its_calls_crashed_and_moves_its_workspaces(
