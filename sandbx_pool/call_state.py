@@ -27,6 +27,7 @@ class CallState:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         limits: Limits | None = None,
+        view: str | None = None,
         workspace: str | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
@@ -37,6 +38,7 @@ class CallState:
         self.cwd = cwd
         self.env = env
         self.limits = limits
+        self.view = view
         #: The absolute workspace this call is confined to: the pool's, unless the call named
         #: its own (a node's pool serves every workspace on its node: integrations.ray).
         self.workspace = workspace

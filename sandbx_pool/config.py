@@ -52,10 +52,18 @@ class CallSettings(_Section):
     timeout_s: Annotated[float, Meta(gt=0)] | None = None
     # A flood's kill threshold; no more than keep_output_bytes of each stream is ever kept.
     max_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_INT)] = 128 * MiB
-    # Both streams' kept parts travel in one Result frame: each at most half of it.
-    keep_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_BYTES // 2)] = 1 * MiB
+    keep_output_bytes: Annotated[int, Meta(ge=1024, le=MAX_OUTPUT_BYTES)] = 1 * MiB
     grace_s: Annotated[float, Meta(ge=0)] = 1.0
     kill_wait_s: Annotated[float, Meta(gt=0)] = 0.5
+
+    def __post_init__(self) -> None:
+        # What bash keeps of stdout and of stderr travels in one Result frame, and a command
+        # is killed once both together pass max_output_bytes: the smaller bound must fit.
+        if min(2 * self.keep_output_bytes, self.max_output_bytes) > MAX_OUTPUT_BYTES:
+            raise ValueError(
+                f"keep_output_bytes: two streams of {self.keep_output_bytes} bytes do not fit"
+                f" in one {MAX_OUTPUT_BYTES}-byte result (lower it, or max_output_bytes)"
+            )
 
 
 class JournalSettings(_Section):
@@ -238,6 +246,9 @@ def _convert(data: Any, source: str) -> Config:
         if match:
             key = match.group(1)
             message = message[: match.start()]
+            # A section's own check (__post_init__) names its key first: "key: why".
+            if field := re.match(r"([a-z_]+): ", message):
+                key, message = f"{key}.{field.group(1)}", message[field.end() :]
             raise ConfigError(f"{source}: {key}: {message}") from None
         raise ConfigError(f"{source}: {message}") from None
 

@@ -25,6 +25,15 @@ def resolve_cwd(workspace: str, cwd: str | None) -> str:
     return joined
 
 
+def check_view(workspace: str, view: str) -> None:
+    """Raise ValueError unless ``view`` is an absolute, normalised directory strictly inside
+    the workspace (a view of the workspace's root itself, or of ``/``, would show it all)."""
+    if "\x00" in view or not os.path.isabs(view) or os.path.normpath(view) != view:
+        raise ValueError(f"view {view!r} is not an absolute, normalised path")
+    if view == workspace or not within(view, workspace):
+        raise ValueError(f"view {view!r} is not inside the workspace")
+
+
 def denial(workspace: str, cwd: str, args: ToolArgs) -> str | None:
     """Why ``args`` are refused before any fork, or None when their paths stay inside."""
     path = getattr(args, "path", None)

@@ -301,6 +301,7 @@ class Pool:
         limits: Limits | None = None,
         call_id: str | None = None,
         on_output: OutputCallback | None = None,
+        view: str | None = None,
         workspace: str | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
@@ -312,6 +313,11 @@ class Pool:
         ``workspace`` (an absolute path) confines this call to another workspace than the
         pool's: one pool's workers then serve many workspaces (its file tools' Landlock rules
         are prebuilt for the pool's own only, so another costs each call a few ms more).
+
+        ``view``: a directory inside the workspace that the call sees as its ``/``, as a
+        container's (workers.view): the system read-only, the directories it holds read-write,
+        nothing else of the host. ``cwd`` and the tool's paths are then paths in the view
+        (relative ones to ``/``). Needs a root pool; elsewhere the call ends as ``error``.
         """
         if self.state is PoolState.NEW:
             raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
@@ -334,7 +340,8 @@ class Pool:
             cwd,
             env,
             limits,
-            _normalised(workspace) if workspace is not None else self.workspace,
+            view,
+            workspace=_normalised(workspace) if workspace is not None else self.workspace,
         )
         call.on_output = on_output
         # Subscribing to a token that is already cancelled requests the kill at once, so the
@@ -385,7 +392,8 @@ class Pool:
                     args=raw if isinstance(raw, dict) else {"<invalid>": repr(raw)},
                     cwd=call.cwd or ".",
                     timeout_s=call.timeout_s,
-                    workspace=call.workspace or self.workspace,
+                    # A view's call: cwd and paths are the view's, the view is where they are.
+                    workspace=call.view or call.workspace or self.workspace,
                 )
             except JournalWriteError as exc:
                 # Fail closed: a side effect never starts without its durable intent. A
@@ -430,8 +438,12 @@ class Pool:
             return call.outcome(Status.ERROR, error=f"bad arguments: {exc}")
         except RecursionError:
             return call.outcome(Status.ERROR, error="bad arguments: nested too deeply")
-        workspace = call.workspace or self.workspace
+        # In a view, paths are the view's: its root is the workspace they are confined to.
+        base = call.workspace or self.workspace
+        workspace = base if call.view is None else "/"
         try:
+            if call.view is not None:
+                confine.check_view(base, call.view)
             call_cwd = confine.resolve_cwd(workspace, call.cwd)
         except ValueError as exc:
             return call.outcome(Status.DENIED, error=str(exc))
@@ -525,14 +537,18 @@ class Pool:
 
     def _context(self, call: CallState, cwd: str) -> ExecutionContext:
         """Everything the worker needs for this call, and nothing shared with another call."""
+        sandbox = self._sandbox or Sandbox()
+        if call.view is not None:
+            # The pool's lock directory is not in the view: a write there locks its directory.
+            sandbox = msgspec.structs.replace(sandbox, view=call.view, lock_dir=None)
         return ExecutionContext(
             call_id=call.call_id,
-            workspace=call.workspace or self.workspace,
+            workspace=(call.workspace or self.workspace) if call.view is None else "/",
             cwd=cwd,
             env=self.config.env.for_call(call.env),
             limits=call.limits or self.config.limits.for_workers(),
             max_output_bytes=self._max_output_bytes(call.tool),
-            sandbox=self._sandbox or Sandbox(),
+            sandbox=sandbox,
             keep_output_bytes=self.config.calls.keep_output_bytes,
             grace_s=self.config.calls.grace_s,
         )

@@ -1,8 +1,9 @@
 """The Inspect AI provider ``sandbx`` against Inspect's own conformance suite, plus our checks.
 
 Inspect's portable suite (``inspect_ai.util._sandbox.self_check``) is imported into this module;
-it asks for a ``sandbox_env`` fixture. One task (one pool) serves the whole module, on the
-module's event loop, with a fresh sample directory per check, as an eval would run them.
+it asks for a ``sandbox_env`` fixture. It runs twice, once per view ("sample", the default, and
+"host"): one task (one pool) serves each, on the module's event loop, with a fresh sample per
+check, as an eval would run them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -38,20 +40,26 @@ from sandbx_pool.integrations.inspect_provider import (
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-#: Checks that cannot pass here, keyed by name, with the reason. Keep this short.
-EXPECTED_FAILURES: dict[str, str] = {}
+VIEWS = ("sample", "host") if os.geteuid() == 0 else ("host",)  # a view needs a root pool
+
+#: Checks that cannot pass here, keyed by view and name, with the reason. Keep this short.
+EXPECTED_FAILURES: dict[str, dict[str, str]] = {"sample": {}, "host": {}}
 if os.geteuid() == 0:
-    # Without a `user` in the config, samples run as the pool's user; root ignores file
-    # modes, so `chmod -r` / `chmod -w` stop nothing (Inspect's local provider as root fails
-    # these too). Set SandbxConfig(user=...) to give file permissions their meaning.
-    EXPECTED_FAILURES["test_read_file_not_allowed"] = "root reads files whatever their mode"
+    # In the host view, without a `user` in the config, samples run as the pool's user with a
+    # container's capabilities, which ignore file modes: `chmod -r` / `chmod -w` stop nothing
+    # (Inspect's local provider as root fails these too). In a sample's view root holds no
+    # capability, so they pass; but adduser, which needs root's power, cannot run there.
+    EXPECTED_FAILURES["host"]["test_read_file_not_allowed"] = "root reads whatever the mode"
     for check in (
         "test_write_text_file_without_permissions",
         "test_write_binary_file_without_permissions",
     ):
-        EXPECTED_FAILURES[check] = "root writes files whatever their mode"
+        EXPECTED_FAILURES["host"][check] = "root writes files whatever their mode"
+    EXPECTED_FAILURES["sample"]["test_exec_as_user"] = (
+        "adduser needs root's power over /etc and chown: view='host' has it, a view does not"
+    )
 else:
-    EXPECTED_FAILURES["test_exec_as_user"] = "switching users needs the pool to run as root"
+    EXPECTED_FAILURES["host"]["test_exec_as_user"] = "switching users needs a root pool"
 
 
 def _pool_toml(directory: Path) -> str:
@@ -62,11 +70,16 @@ def _pool_toml(directory: Path) -> str:
     return str(path)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def task_config(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[SandbxConfig]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=VIEWS)
+async def task_config(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[SandbxConfig]:
     directory = tmp_path_factory.mktemp("inspect")
     config = SandbxConfig(
-        journal=str(directory / "journal.jsonl"), pool_config=_pool_toml(directory), workers=4
+        journal=str(directory / "journal.jsonl"),
+        pool_config=_pool_toml(directory),
+        workers=4,
+        view=request.param,
     )
     await SandbxSandboxEnvironment.task_init("startup", config)
     try:
@@ -79,7 +92,7 @@ async def task_config(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
 async def sandbox_env(
     request: pytest.FixtureRequest, task_config: SandbxConfig
 ) -> AsyncIterator[SandboxEnvironment]:
-    reason = EXPECTED_FAILURES.get(request.node.originalname)
+    reason = EXPECTED_FAILURES[task_config.view].get(request.node.originalname)
     if reason is not None:
         request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
     environments = await SandbxSandboxEnvironment.sample_init("test", task_config, {})
@@ -138,8 +151,9 @@ async def test_sample_directories_are_separate_and_removed(task_config: SandbxCo
     await a.write_file("mine.txt", "a")
     assert (await b.exec(["ls", "-A"])).stdout == ""
     directory = a.as_type(SandbxSandboxEnvironment).directory
+    assert await asyncio.to_thread(os.path.isdir, directory)  # seen from the host
     await SandbxSandboxEnvironment.sample_cleanup("test", task_config, first, False)
-    assert not (await b.exec(["test", "-e", directory])).success
+    assert not await asyncio.to_thread(os.path.exists, directory)
     await SandbxSandboxEnvironment.sample_cleanup("test", task_config, second, False)
 
 
@@ -247,3 +261,98 @@ async def test_eval_with_mockllm_runs_every_call_through_the_pool(
     assert sum(r["tool"] == "read" for r in intents.values()) == 2
     # Each sample's directory was made and removed through the pool.
     assert sum(argv == ["rm", "-rf"] for argv in argvs) == 3  # two samples and the task
+
+
+# -- a sample's view: isolated as if in a container of its own -----------------------------------
+
+
+async def _attempt(operation: Any) -> str:
+    """ "ok", or the name of the exception the operation raised."""
+    try:
+        await operation
+    except Exception as exc:
+        return type(exc).__name__
+    return "ok"
+
+
+@solver
+def _probe_isolation(tag: str, host_dir: str) -> Solver:
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        box, me = sandbox(), state.input_text
+        seen = state.metadata
+        seen["whoami"] = (await box.exec(["whoami"])).stdout.strip()
+        # Its own /tmp, through a command and through write_file, read back both ways.
+        await box.exec(["sh", "-c", f"echo {me} > /tmp/{tag}-cmd-{me}"])
+        await box.write_file(f"/tmp/{tag}-tool-{me}", me)
+        seen["read_back"] = [
+            await box.read_file(f"/tmp/{tag}-cmd-{me}"),
+            (await box.exec(["cat", f"/tmp/{tag}-tool-{me}"])).stdout,
+        ]
+        seen["tmp"] = (await box.exec(["ls", "-A", "/tmp"])).stdout.split()
+        other = "second" if me == "first" else "first"
+        seen["other_by_tool"] = await _attempt(box.read_file(f"/tmp/{tag}-tool-{other}"))
+        # The host's folders, /etc and /root: neither a command nor write_file gets in.
+        targets = [f"/etc/{tag}", f"/root/{tag}", f"{host_dir}/{tag}"]
+        seen["touch"] = [(await box.exec(["touch", path])).success for path in targets]
+        seen["write_file"] = [await _attempt(box.write_file(path, "x")) for path in targets]
+        seen["shadow_cmd"] = (await box.exec(["cat", "/etc/shadow"])).success
+        seen["shadow_tool"] = await _attempt(box.read_file("/etc/shadow"))
+        return state
+
+    return solve
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a sample's view needs a root pool")
+@pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_two_samples_as_root_each_see_only_their_own_view(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+    tag = unique_tag()
+    # A folder of the host's outside /tmp (the view's /tmp is the sample's own): a user's.
+    host_dir = Path(
+        await asyncio.to_thread(tempfile.mkdtemp, prefix="sandbx-host-", dir="/var/tmp")
+    )
+    try:
+        config = SandbxConfig(  # the default view, as root
+            journal=str(tmp_path / "journal.jsonl"), pool_config=_pool_toml(tmp_path), workers=4
+        )
+        task = Task(
+            dataset=[Sample(input="first"), Sample(input="second")],
+            solver=_probe_isolation(tag, str(host_dir)),
+            sandbox=("sandbx", config),
+        )
+        # One sample after the other: the second would see what the first left in a shared /tmp.
+        [log] = await eval_async(
+            task, model="mockllm/model", log_dir=str(tmp_path / "logs"), max_samples=1
+        )
+        gc.collect()
+        assert log.status == "success", log.error
+        assert log.samples is not None
+        for sample in log.samples:
+            me, seen = sample.input, sample.metadata
+            assert seen["whoami"] == "root"
+            assert seen["read_back"] == [f"{me}\n", me]
+            assert sorted(seen["tmp"]) == [f"{tag}-cmd-{me}", f"{tag}-tool-{me}"]
+            assert seen["other_by_tool"] == "FileNotFoundError"
+            assert seen["touch"] == [False, False, False]
+            assert seen["write_file"] == ["PermissionError"] * 3
+            assert (seen["shadow_cmd"], seen["shadow_tool"]) == (False, "PermissionError")
+        # And the host shows nothing written, in its /tmp or anywhere the samples tried.
+        assert await asyncio.to_thread(_host_files, tag, host_dir) == []
+    finally:
+        await asyncio.to_thread(_remove, host_dir)
+
+
+def _host_files(tag: str, host_dir: Path) -> list[Path]:
+    found = [*host_dir.iterdir()]
+    for folder in ("/tmp", "/etc", "/root"):
+        found += Path(folder).glob(f"{tag}*")
+    return found
+
+
+def _remove(directory: Path) -> None:
+    for leftover in directory.iterdir():
+        leftover.unlink()
+    directory.rmdir()

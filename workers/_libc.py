@@ -12,6 +12,7 @@ which no other call here wants.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -53,6 +54,10 @@ _SYS_MOUNT_SETATTR = 442
 _MOUNT_ATTR_RDONLY = 1
 _AT_FDCWD = -100
 _AT_RECURSIVE = 0x8000
+
+#: pivot_root(2) has no libc wrapper: its number is x86_64's own, and the generic table's on the
+#: newer architectures.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41}
 
 
 def _failed(what: str) -> OSError:
@@ -133,6 +138,19 @@ def syscall(what: str, number: int, *args: object) -> int:
 def umount(target: str, flags: int = 0) -> None:
     if _libc.umount2(os.fsencode(target), flags) != 0:
         raise _failed(f"umount {target}")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    """pivot_root(2); OSError (ENOSYS) on an architecture whose number we do not know."""
+    number = _SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError(errno.ENOSYS, f"pivot_root: unknown on {os.uname().machine}")
+    syscall(
+        "pivot_root",
+        number,
+        ctypes.c_char_p(os.fsencode(new_root)),
+        ctypes.c_char_p(os.fsencode(put_old)),
+    )
 
 
 def set_read_only(path: str, *, recursive: bool) -> None:

@@ -62,6 +62,11 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: The pool's directory of write locks (workers.tools.atomic), out of every call's reach:
     #: the file tools' Landlock rules grant it, bash's never do. None: lock the directory.
     lock_dir: str | None = None
+    #: A directory the call sees as its ``/`` (workers.view): the system read-only, the
+    #: directories it holds read-write, nothing else of the host; the call's workspace and cwd
+    #: are then paths inside it. Every tool, file tools included, is confined this way, and
+    #: capless whatever ``keep_root`` says. None: the host's tree, as the rules above allow.
+    view: str | None = None
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):

@@ -50,7 +50,7 @@ import os
 
 import msgspec
 
-from sandbx_pool.workers import _libc, landlock, lockdown, seccomp, users
+from sandbx_pool.workers import _libc, landlock, lockdown, seccomp, users, view
 from sandbx_pool.workers.containment import in_own_pid_namespace
 from sandbx_pool.workers.errors import ToolError
 from sandbx_pool.workers.protocol import Call, ExecutionContext, Sandbox
@@ -154,13 +154,21 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
     box = ctx.sandbox
     tmpdir: str | None = None
     owner = _tmp_owner(box, call.args)
+    # A view's calls are capless whatever keep_root says: the view is there to hold them.
+    keep_root = box.keep_root and box.view is None
     try:
         _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
         network_namespace = False
+        if box.view is not None:
+            _enter_view(box, owner)
         if runs_programs:
-            private = _private_mounts(box, ctx, owner, [ctx.workspace, ctx.cwd, *box.writable])
-            tmpdir = _make_tmpdir(box, ctx.call_id, owner)
+            private = box.view is not None or _private_mounts(
+                box, ctx, owner, [ctx.workspace, ctx.cwd, *box.writable]
+            )
+            tmpdir = None if box.view is not None else _make_tmpdir(box, ctx.call_id, owner)
             env = {**ctx.env, "TMPDIR": tmpdir} if tmpdir is not None else dict(ctx.env)
+            if box.view is not None:
+                env.setdefault("TMPDIR", "/tmp")  # the view's own
             home = env.get("HOME")
             if (
                 tmpdir
@@ -175,19 +183,24 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             if private:
                 lockdown.new_ipc_namespace()
             network_namespace = not box.network and _libc.try_unshare(_libc.CLONE_NEWNET) == 0
-            if box.keep_root:
+            if keep_root:
                 lockdown.shrink_bounding_set(prepared.last_cap, lockdown.CONTAINER_CAPS)
             else:
                 lockdown.lock_out_root(prepared.last_cap)
+        elif box.view is not None:
+            # A file tool in a view is held to file modes as the view's commands are: a capless
+            # uid 0 cannot read a file it chmod'ed -r, as in a container whose root it is not.
+            lockdown.lock_out_root(prepared.last_cap)
         rulesets = _rulesets(call.context, tmpdir, prepared, network_namespace, runs_programs)
         if box.uid is not None:
             os.setgroups(list(box.groups))
             os.setgid(box.gid if box.gid is not None else box.uid)
             os.setuid(box.uid)
-        if runs_programs and not box.keep_root:
+        if (runs_programs and not keep_root) or (box.view is not None and not runs_programs):
             # bash's `user` switches in the command's child, after the fork: the worker keeps
             # CAP_SETUID and CAP_SETGID for it (the bounding set is empty, so the command,
-            # exec'd as that user, holds nothing).
+            # exec'd as that user, holds nothing). A file tool's `user` switches the worker
+            # itself, which then runs only our own code.
             switches = owner is not None and box.uid is None and owner[0] != os.getuid()
             lockdown.drop_all_capabilities(keep_user_switch=switches)
         # After setuid, which resets it. Same-user processes (bash, capless) may then neither
@@ -281,7 +294,7 @@ def _tmp_owner(box: Sandbox, args: object) -> Identity | None:
 
 
 def _private_mounts(
-    box: Sandbox, ctx: ExecutionContext, owner: Identity | None, needed: list[str]
+    box: Sandbox, ctx: ExecutionContext | None, owner: Identity | None, needed: list[str]
 ) -> bool:
     """A mount namespace of our own: a private /proc, the hidden directories covered, root's
     secrets masked and the kernel's files read-only (workers.lockdown), a private /dev/shm, the
@@ -317,17 +330,32 @@ def _private_mounts(
             continue  # never hide what the call must use
         with contextlib.suppress(OSError):  # the secret and the pid check still hold
             _libc.mount("sandbx-hidden", real, "tmpfs", flags | _libc.MS_RDONLY, "size=4k,mode=000")
-    if not box.keep_root:
+    if not box.keep_root or box.view is not None:
         scratch = box.tmp_root if box.tmp_root and os.path.isdir(box.tmp_root) else "/tmp"
         lockdown.mask_secrets(scratch)
     lockdown.read_only_kernel_files()
     lockdown.private_dev_shm()
+    if ctx is None:
+        return True  # a view: no TMPDIR (its /tmp is its own), its workspace is its own
     if box.tmp_root is not None and os.path.isdir(box.tmp_root):
         uid, gid = owner[:2] if owner is not None else (os.getuid(), os.getgid())
         options = f"size={box.tmp_size_mb}m,mode=0700,uid={uid},gid={gid}"
         _libc.mount("sandbx-tmp", box.tmp_root, "tmpfs", _libc.MS_NOSUID | _libc.MS_NODEV, options)
     protect(ctx.workspace, box.protected)
     return True
+
+
+def _enter_view(box: Sandbox, owner: Identity | None) -> None:
+    """The mount namespace a view needs (workers.sandbox's own steps first: /proc, secrets,
+    kernel files), then the view itself (workers.view). A view is never entered without them:
+    where no mount namespace can be made (a pool not run as root) the call is refused."""
+    assert box.view is not None
+    if not _private_mounts(box, None, owner, [box.view]):
+        raise SandboxError("a view needs a mount namespace of the call's own: run the pool as root")
+    try:
+        view.enter(box.view)
+    except OSError as exc:
+        raise SandboxError(f"cannot enter the view {box.view}: {exc}") from exc
 
 
 def protect(workspace: str, patterns: tuple[str, ...]) -> list[str]:
@@ -405,7 +433,7 @@ def _rulesets(
         return []  # the file tools' own path checks are all that is left (see the doctor)
     rulesets = []
     file_rules, prepared.file_rules = prepared.file_rules, None
-    if not runs_programs and file_rules is not None and file_rules.fits(ctx):
+    if not runs_programs and not box.view and file_rules is not None and file_rules.fits(ctx):
         # The template's complete ruleset, entered as it is: the fixed rules' descriptors
         # are not needed.
         preload().drop_rules()

@@ -3,16 +3,28 @@
     Inspect eval
       task_init(config) ----------> one Pool per sandbox config, its journal, a task directory
       sample_init ----------------> a sample directory under it (mktemp -d, through the pool)
-        exec(cmd, input, ...) ----> pool.call("bash", {argv, stdin, user}): no shell, own worker
-        read_file(file, text) ----> pool.call("read", {path, encoding: "bytes", user})
-        write_file(file, data) ---> pool.call("write", {path, content_bytes, user})
+        exec(cmd, input, ...) ----> pool.call("bash", {argv, stdin, user}, view=S): no shell
+        read_file(file, text) ----> pool.call("read", {path, encoding: "bytes", user}, view=S)
+        write_file(file, data) ---> pool.call("write", {path, content_bytes, user}, view=S)
       sample_cleanup -------------> rm -rf the sample directory (through the pool)
       task_cleanup ---------------> rm -rf the task directory, close the Pool
 
-Paths follow Inspect's local provider: relative ones are relative to the sample's directory,
-absolute ones mean the host's. So the pool's workspace is ``/`` by default, and what keeps a
-sample in bounds is the user it runs as (``user`` in the config), not path confinement; a
-narrower ``workspace`` confines every path to it instead (absolute paths outside are refused).
+Two views, ``SandbxConfig.view``:
+
+* ``"sample"`` (the default): each sample sees its directory S as its ``/``, as a container
+  (workers.view): the system read-only (``/usr``, ``/etc`` without root's secrets...), its own
+  ``/tmp`` and working directory (``workdir``, ``/work``) read-write, nothing else of the host.
+  Every call, file tools included, enters the view, so a path means the same to exec, read_file
+  and write_file: relative ones are relative to ``workdir``, absolute ones are the view's. The
+  sample runs as uid 0 with no capability (``whoami`` is root, ``user="root"`` works), so file
+  modes hold even for it; commands that need root's power (adduser) need ``"host"``.
+* ``"host"``: Inspect's local provider's semantics. Relative paths are relative to the sample's
+  directory, absolute ones mean the host's (the pool's workspace, ``/`` by default); commands
+  keep a container's default capabilities; what keeps a sample in bounds is the user it runs as
+  (``user``), or a narrower ``workspace`` (absolute paths outside it are refused).
+
+Either way the provider's own housekeeping (making and removing the sample directories) runs
+outside any view, with a container's capabilities: it runs fixed commands only.
 
 Inspect's semantics mapped from outcomes, at this one boundary: status ``timeout`` raises
 TimeoutError (the worker's whole process group is already dead); ``output_limit``, or a stream
@@ -27,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import posixpath
 import shlex
 from typing import Any, Literal, overload
 
@@ -40,7 +53,7 @@ from inspect_ai.util import (
     SandboxUserUnsupportedError,
     sandboxenv,
 )
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from sandbx_pool.config import load_config
 from sandbx_pool.logs import logger
@@ -64,7 +77,13 @@ _FILE_ERRORS: dict[str, type[OSError]] = {
     "EACCES": PermissionError,
     "EPERM": PermissionError,
     "ENOTDIR": NotADirectoryError,
+    "EROFS": PermissionError,  # the view's system, or its root: read-only
 }
+
+#: Top-level names of a sample's view that are the system's (workers.view), not the sample's.
+_SYSTEM_NAMES = frozenset(
+    ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "sys", "dev", "tmp")
+)
 
 
 class SandbxConfig(BaseModel):
@@ -76,12 +95,27 @@ class SandbxConfig(BaseModel):
     # Frozen and hashable: Inspect uses the config as a key.
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    workspace: str = "/"  # what every path is confined to; "/" is Inspect's local model
+    #: "sample": each sample sees its own directory as ``/`` (a container's view); "host":
+    #: Inspect's local provider's semantics, the host's tree (module docstring).
+    view: Literal["sample", "host"] = "sample"
+    #: The sample's working directory in its view (view="sample"): where relative paths and
+    #: commands start, and HOME.
+    workdir: str = "/work"
+    workspace: str = "/"  # view="host": what every path is confined to ("/": Inspect's local)
     root: str = "/tmp"  # where each task's directory (holding the sample directories) is made
     user: str | None = None  # who exec, read_file and write_file run as (None: the pool's)
     journal: str | None = None  # the task's journal (None: a fresh one, logged)
     workers: int | None = None  # parallel calls at most (None: the pool's default)
     pool_config: str | None = None  # a sandbx-pool TOML file: env, limits, gate, sandbox
+
+    @field_validator("workdir")
+    @classmethod
+    def _check_workdir(cls, workdir: str) -> str:
+        normal = posixpath.normpath(workdir)
+        top = normal.strip("/").split("/")[0]
+        if not workdir.startswith("/") or top in ("", *_SYSTEM_NAMES) or "\x00" in workdir:
+            raise ValueError(f"workdir must be an absolute path outside the system's: {workdir!r}")
+        return normal
 
 
 class _Task:
@@ -116,15 +150,21 @@ def _key(settings: SandbxConfig) -> str:
 
 
 async def _open_task(settings: SandbxConfig) -> _Task:
+    if settings.view == "sample" and os.geteuid() != 0:
+        raise RuntimeError(
+            "sandbx: view='sample' needs the pool to run as root (a mount namespace per call);"
+            " use SandbxConfig(view='host') for the local provider's semantics"
+        )
     # Whole streams (Inspect's exec has its own limit, checked below), not head and tail;
     # stdout and stderr apart, as ExecResult has them (merge_stderr stays off).
     config = load_config(settings.pool_config).override(
         calls={"max_output_bytes": TRANSPORT_BYTES, "keep_output_bytes": TRANSPORT_BYTES}
     )
-    # The local provider's semantics, which this provider follows: the host as the samples'
-    # filesystem and root over it (Inspect's own suite adds users with adduser; the provider
-    # chowns each sample's directory to its user). Commands keep a container's capabilities,
-    # not the host's all; a sample given a `user` runs as that user, with none.
+    # view="host", the local provider's semantics: the host as the samples' filesystem and root
+    # over it (Inspect's own suite adds users with adduser; the provider chowns each sample's
+    # directory to its user). Commands keep a container's capabilities, not the host's all; a
+    # sample given a `user` runs as that user, with none. view="sample": only the provider's
+    # housekeeping keeps them; a call in a view never does (workers.sandbox).
     config = config.override(sandbox={"keep_root": True})
     pool = Pool(
         settings.workspace, workers=settings.workers, journal=settings.journal, config=config
@@ -159,7 +199,7 @@ async def task_for(config: SandboxEnvironmentConfigType | None) -> _Task:
 
 async def _check(
     pool: Pool, argv: list[str], *, cwd: str, user: str | None = None
-) -> ExecResult[str]:
+) -> ExecResult[str]:  # outside any view: the provider's own commands
     """Run a housekeeping command; raise RuntimeError when it does not succeed."""
     result = await _exec(pool, argv, cwd=cwd, user=user, timeout=HOUSEKEEPING_TIMEOUT_S)
     if not result.success:
@@ -176,6 +216,7 @@ async def _exec(
     env: dict[str, str] | None = None,
     user: str | None = None,
     timeout: float | None = None,  # noqa: ASYNC109 (a kill deadline passed to the pool)
+    view: str | None = None,
 ) -> ExecResult[str]:
     if not argv:
         raise ValueError("cmd must name a program")
@@ -186,7 +227,7 @@ async def _exec(
         args["stdin_bytes"] = bytes(input)
     if user is not None:
         args["user"] = user
-    outcome = await pool.call("bash", args, timeout=timeout, cwd=cwd, env=env)
+    outcome = await pool.call("bash", args, timeout=timeout, cwd=cwd, env=env, view=view)
     return _exec_result(outcome, user)
 
 
@@ -232,12 +273,18 @@ def _file_error(outcome: Outcome, file: str) -> OSError:
 
 @sandboxenv(name="sandbx")
 class SandbxSandboxEnvironment(SandboxEnvironment):
-    """One sample's view of its task's pool: its own working directory, every call a worker."""
+    """One sample's view of its task's pool: its own directory, every call a worker."""
 
     def __init__(self, task: _Task, directory: str) -> None:
         super().__init__()
         self.task = task
+        #: The sample's directory on the host: its view's root (view="sample"), or its working
+        #: directory (view="host").
         self.directory = directory
+        settings = task.settings
+        self.view = directory if settings.view == "sample" else None
+        #: Where commands start and relative paths lead, as the sample's calls see it.
+        self.workdir = settings.workdir if self.view is not None else directory
 
     # -- lifecycle (class methods Inspect calls) -------------------------------------------
 
@@ -255,8 +302,15 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
             task.pool, ["mktemp", "-d", os.path.join(task.directory, "sample-XXXXXX")], cwd=root
         )
         directory = made.stdout.strip()
+        owned = directory
+        if task.settings.view == "sample":
+            # The view's root, read-only in the view, traversable by a sample `user`; its own
+            # directories: /tmp (sticky, as any /tmp) and the working directory.
+            owned = directory + task.settings.workdir
+            script = 'chmod 755 "$1" && mkdir -p "$1/tmp" "$2" && chmod 1777 "$1/tmp"'
+            await _check(task.pool, ["sh", "-c", script, "sh", directory, owned], cwd=root)
         if task.settings.user is not None:
-            await _check(task.pool, ["chown", "--", task.settings.user, directory], cwd=root)
+            await _check(task.pool, ["chown", "--", task.settings.user, owned], cwd=root)
         return {"default": cls(task, directory)}
 
     @classmethod
@@ -317,14 +371,17 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
     ) -> ExecResult[str]:
         # timeout_retry is not honoured: re-running a command with side effects is the
         # caller's decision. concurrency: the pool's worker count already bounds it.
+        if self.view is not None:
+            env = {"HOME": self.workdir, **(env or {})}
         return await _exec(
             self.task.pool,
             cmd,
-            cwd=self._path(cwd) if cwd is not None else self.directory,
+            cwd=self._path(cwd) if cwd is not None else self.workdir,
             input=input,
             env=env,
             user=user if user is not None else self.task.settings.user,
             timeout=timeout,
+            view=self.view,
         )
 
     async def write_file(self, file: str, contents: str | bytes) -> None:
@@ -333,7 +390,7 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         if self.task.settings.user is not None:
             args["user"] = self.task.settings.user
         outcome = await self.task.pool.call(
-            "write", args, timeout=HOUSEKEEPING_TIMEOUT_S, cwd=self.directory
+            "write", args, timeout=HOUSEKEEPING_TIMEOUT_S, cwd=self.workdir, view=self.view
         )
         if outcome.status is Status.TIMEOUT:
             raise TimeoutError(f"writing {file} timed out")
@@ -351,7 +408,7 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         if self.task.settings.user is not None:
             args["user"] = self.task.settings.user  # as exec and write_file: file modes hold
         outcome = await self.task.pool.call(
-            "read", args, timeout=HOUSEKEEPING_TIMEOUT_S, cwd=self.directory
+            "read", args, timeout=HOUSEKEEPING_TIMEOUT_S, cwd=self.workdir, view=self.view
         )
         if outcome.status is Status.TIMEOUT:
             raise TimeoutError(f"reading {file} timed out")
@@ -368,5 +425,6 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         return data.decode("utf-8") if text else data
 
     def _path(self, path: str) -> str:
-        """A path as Inspect's local provider reads it: relative to the sample's directory."""
-        return os.path.join(self.directory, path)
+        """A path as the sample sees it: relative ones to its working directory, absolute ones
+        as they are (the view's, or with view="host" the host's, as Inspect's local provider)."""
+        return os.path.join(self.workdir, path)

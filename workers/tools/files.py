@@ -266,7 +266,8 @@ def write_file(args: WriteArgs, ctx: ExecutionContext) -> dict[str, Any]:
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:
         raise ToolError(
-            f"cannot create the parent directory of {args.path}: {exc.strerror or exc}"
+            f"cannot create the parent directory of {args.path}: {exc.strerror or exc}",
+            code=errno.errorcode.get(exc.errno or 0),
         ) from exc
     try:
         with locked_directory(parent, args.path, ctx) as dir_fd:
