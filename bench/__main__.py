@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming", "search")
+SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming", "search", "cluster")
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,16 @@ class Counts:
     throughput_calls: int = 2000
     soak_calls: int = 2000
     streaming_calls: int = 400
+    cluster_calls: int = 800
 
 
 QUICK = Counts(
-    latency_calls=60, cancels=20, throughput_calls=300, soak_calls=200, streaming_calls=60
+    latency_calls=60,
+    cancels=20,
+    throughput_calls=300,
+    soak_calls=200,
+    streaming_calls=60,
+    cluster_calls=80,
 )
 
 
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loguru import logger
 
-    from bench import cancel, latency, report, search, soak, streaming, throughput
+    from bench import cancel, cluster, latency, report, search, soak, streaming, throughput
     from bench.procs import cpu_snapshot, leftovers, others_share
     from bench.workspace import MARKER, bench_workspace
 
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.streaming = streaming.run(ws, calls=counts.streaming_calls)
                 elif section == "search":
                     result.search = search.run(ws, runs=3 if args.quick else 9)
+                elif section == "cluster":
+                    result.cluster = cluster.run(ws, calls=counts.cluster_calls)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

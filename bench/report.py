@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench import cancel, latency, throughput
 from bench.cancel import CancelResult
+from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.latency import LatencyResult
 from bench.procs import Leftovers
 from bench.search import SearchResult
@@ -41,6 +42,7 @@ class Report:
     soak: SoakResult | None = None
     streaming: StreamingResult | None = None
     search: SearchResult | None = None
+    cluster: ClusterResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -438,6 +440,29 @@ def _streaming(result: StreamingResult) -> str:
     )
 
 
+def _cluster(result: ClusterResult) -> str:
+    rows = [
+        (
+            name,
+            f"{result.best_rate(name):.0f}",
+            ms(result.sequential[name].percentile_ms(50)),
+            ms(result.sequential[name].percentile_ms(95)),
+        )
+        for name in (LOCAL, RAY)
+    ]
+    nodes = ", ".join(f"{count}" for _, count in sorted(result.calls_per_node.items()))
+    return (
+        "## Ray: RayPool on a local 2-node cluster against a local Pool (`read`)\n\n"
+        + table(
+            ("row", f"calls/s at {8} in flight (best round)", "p50, one at a time", "p95"),
+            rows,
+            "lrrr",
+        )
+        + f"\n\nRay adds {ms(result.overhead_ms())} ms a call at p50 (the actor call and its result"
+        f" object). RayPool's calls per node: {nodes}. Both nodes share this machine's 2 cores."
+    )
+
+
 def render(report: Report) -> str:
     parts = [_header(report)]
     if report.latency is not None:
@@ -452,6 +477,8 @@ def render(report: Report) -> str:
         parts.append(_streaming(report.streaming))
     if report.search is not None:
         parts.append(_search(report.search))
+    if report.cluster is not None:
+        parts.append(_cluster(report.cluster))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

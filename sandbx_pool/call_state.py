@@ -28,6 +28,7 @@ class CallState:
         env: dict[str, str] | None = None,
         limits: Limits | None = None,
         view: str | None = None,
+        workspace: str | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self.call_id = call_id
@@ -38,6 +39,9 @@ class CallState:
         self.env = env
         self.limits = limits
         self.view = view
+        #: The absolute workspace this call is confined to: the pool's, unless the call named
+        #: its own (a node's pool serves every workspace on its node: integrations.ray).
+        self.workspace = workspace
         self.started_at = time.monotonic()
         self.context: ExecutionContext | None = None
         self.worker: Worker | None = None

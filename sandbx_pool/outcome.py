@@ -52,7 +52,8 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     was stuck, and ``stuck_pid`` which process was (the worker, or a descendant: bash's).
     ``limit`` names the resource limit that stopped the call, if one did. ``error_code`` is the
     errno name (``"ENOENT"``) behind an ``error`` whose cause was an OS error: match on it, not
-    on ``error``'s text, which names the caller's path.
+    on ``error``'s text, which names the caller's path. ``node`` is the Ray node id the call
+    ran on, when it went through ``integrations.ray`` (None on one machine).
     """
 
     call_id: str
@@ -71,6 +72,7 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     wchan: str | None = None
     stuck_pid: int | None = None
     error_code: str | None = None
+    node: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -302,6 +302,7 @@ class Pool:
         call_id: str | None = None,
         on_output: OutputCallback | None = None,
         view: str | None = None,
+        workspace: str | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
 
@@ -309,6 +310,9 @@ class Pool:
         ``workers`` busy ones does not count). Cancelling the awaiting task kills the call;
         the CancelledError is re-raised once the worker is gone. ``on_output`` is called on
         the loop with each OutputChunk a bash command writes, while it runs (sandbx_pool.output).
+        ``workspace`` (an absolute path) confines this call to another workspace than the
+        pool's: one pool's workers then serve many workspaces (its file tools' Landlock rules
+        are prebuilt for the pool's own only, so another costs each call a few ms more).
 
         ``view``: a directory inside the workspace that the call sees as its ``/``, as a
         container's (workers.view): the system read-only, the directories it holds read-write,
@@ -321,7 +325,9 @@ class Pool:
             raise PoolClosed("the pool is closed")
         if self._template_lost:
             raise TemplateLost("the worker template died; open a new pool")
-        _check_call_arguments(timeout, cwd, env, limits, call_id)
+        check_call_arguments(timeout, cwd, env, limits, call_id)
+        if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
+            raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
             # Two calls under one id would share one journal entry and one slot in _calls:
             # the first to end would hide the other from close() for good.
@@ -335,6 +341,7 @@ class Pool:
             env,
             limits,
             view,
+            workspace=_normalised(workspace) if workspace is not None else self.workspace,
         )
         call.on_output = on_output
         # Subscribing to a token that is already cancelled requests the kill at once, so the
@@ -386,7 +393,7 @@ class Pool:
                     cwd=call.cwd or ".",
                     timeout_s=call.timeout_s,
                     # A view's call: cwd and paths are the view's, the view is where they are.
-                    workspace=call.view or self.workspace,
+                    workspace=call.view or call.workspace or self.workspace,
                 )
             except JournalWriteError as exc:
                 # Fail closed: a side effect never starts without its durable intent. A
@@ -432,10 +439,11 @@ class Pool:
         except RecursionError:
             return call.outcome(Status.ERROR, error="bad arguments: nested too deeply")
         # In a view, paths are the view's: its root is the workspace they are confined to.
-        workspace = self.workspace if call.view is None else "/"
+        base = call.workspace or self.workspace
+        workspace = base if call.view is None else "/"
         try:
             if call.view is not None:
-                confine.check_view(self.workspace, call.view)
+                confine.check_view(base, call.view)
             call_cwd = confine.resolve_cwd(workspace, call.cwd)
         except ValueError as exc:
             return call.outcome(Status.DENIED, error=str(exc))
@@ -535,7 +543,7 @@ class Pool:
             sandbox = msgspec.structs.replace(sandbox, view=call.view, lock_dir=None)
         return ExecutionContext(
             call_id=call.call_id,
-            workspace=self.workspace if call.view is None else "/",
+            workspace=(call.workspace or self.workspace) if call.view is None else "/",
             cwd=cwd,
             env=self.config.env.for_call(call.env),
             limits=call.limits or self.config.limits.for_workers(),
@@ -579,7 +587,12 @@ class Pool:
         return [worker.stuck_report() for worker in self._workers.quarantined()]
 
 
-def _check_call_arguments(
+def _normalised(path: str) -> str:
+    # Lexical only: the coordinator never touches the workspace's filesystem.
+    return os.path.normpath(path)
+
+
+def check_call_arguments(
     timeout: object, cwd: object, env: object, limits: object, call_id: object
 ) -> None:
     """Misuse of ``Pool.call`` is the caller's bug: a TypeError or ValueError, raised before

@@ -12,9 +12,20 @@ import asyncio
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
 from sandbx_pool.logs import logger
-from sandbx_pool.pool import Pool
+
+
+class Stoppable(Protocol):
+    """What a signal stops: a Pool, or a RayPool (integrations.ray)."""
+
+    async def close(self) -> None: ...
+
+    def kill_now(self) -> None: ...
+
+
+P = TypeVar("P", bound=Stoppable)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -25,10 +36,10 @@ class Stopper:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.stopping = asyncio.Event()
-        self.pools: list[Pool] = []
+        self.pools: list[Stoppable] = []
         self._closing: list[asyncio.Task[None]] = []
 
-    def watch(self, pool: Pool) -> Pool:
+    def watch(self, pool: P) -> P:
         self.pools.append(pool)
         return pool
 

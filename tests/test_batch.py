@@ -157,6 +157,9 @@ def run_command(argv: list[str]) -> int:
         ('{"tool": "ls", "id": ""}', '"id" must be a non-empty string'),
         ('{"tool": "ls", "id": "first"}', "id 'first' is already used by line 1"),
         ('{"tool": "ls", "after": ["later"]}', "'later' is not the id of an earlier line"),
+        ('{"tool": "ls", "workspace": "../up"}', '"workspace" must be a folder under'),
+        ('{"tool": "ls", "workspace": "/abs"}', '"workspace" must be a folder under'),
+        ('{"tool": "ls", "workspace": 3}', '"workspace" must be a non-empty string'),
     ],
 )
 def test_a_bad_line_is_named_with_what_is_wrong(tmp_path: Path, line: str, message: str) -> None:
@@ -170,6 +173,23 @@ def test_meta_is_kept_out_of_the_way(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "c.jsonl", [{"tool": "ls", "meta": {"episode": 3, "step": 1}}])
     [spec] = load_batch(path).calls
     assert spec.call_id == parse_batch(['{"tool": "ls"}']).calls[0].call_id
+
+
+async def test_a_line_runs_in_its_own_workspace_under_the_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "ep-1").mkdir(parents=True)
+    (root / "a").write_text("the root's")
+    lines = [
+        {"id": "w", "tool": "write", "args": {"path": "a", "content": "x"}, "workspace": "ep-1"},
+        {"id": "up", "tool": "read", "args": {"path": "../a"}, "workspace": "ep-1"},
+    ]
+    batch = load_batch(write_lines(tmp_path / "c.jsonl", lines))
+    assert [spec.workspace for spec in batch.calls] == ["ep-1", "ep-1"]
+    async with Pool(root, config=marked_config(pool={"workers": 2})) as pool:
+        report = await run_batch(pool, batch.calls, parallel=1)
+    assert (root / "ep-1" / "a").read_text() == "x"
+    statuses = {spec.call_id: outcome.status for spec, outcome in report.results}
+    assert statuses == {"w": Status.OK, "up": Status.DENIED}  # confined to ep-1, not the root
 
 
 def test_invalid_utf8_is_a_line_problem(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from sandbx_pool.errors import JournalLocked
 from sandbx_pool.journal.reader import in_doubt, read_journal
 from sandbx_pool.journal.records import (
     JOURNAL_REFUSED,
+    NODE_LOST,
     IntentRecord,
     JournalRecord,
     OutcomeRecord,
@@ -313,6 +314,28 @@ def _outcome(
     return OutcomeRecord(
         call_id=call_id, time=0.0, tool=tool, status=status, started=started, killed_by=killed_by
     )
+
+
+def test_resume_reruns_calls_lost_with_their_ray_node(tmp_path: Path) -> None:
+    def lost(call_id: str, tool: str) -> OutcomeRecord:
+        return OutcomeRecord(
+            call_id=call_id, time=0.0, tool=tool, status="crashed", started=True, reason=NODE_LOST
+        )
+
+    journal = _journal_of(
+        tmp_path / "j.jsonl",
+        [
+            _intent("read-lost", "read"),
+            lost("read-lost", "read"),
+            _intent("bash-lost", "bash"),
+            lost("bash-lost", "bash"),
+            _intent("bash-crashed", "bash"),
+            _outcome("bash-crashed", "bash", "crashed", started=True),
+        ],
+    )
+    plan = resume_plan(journal)
+    assert plan.finished == {"bash-crashed"}  # a worker's crash is an end; a node's loss not
+    assert plan.in_doubt == {"bash-lost": "bash"}  # it may have run before the node went
 
 
 def test_a_later_outcome_settles_an_attempt_a_crash_left_in_doubt(tmp_path: Path) -> None:

@@ -55,6 +55,21 @@ async def test_edit_missing_string_is_an_error(pool: Pool) -> None:
     assert "not found" in outcome.error
 
 
+async def test_a_call_may_name_its_own_workspace(pool: Pool, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    wrote = await pool.call("write", {"path": "a.txt", "content": "x"}, workspace=str(other))
+    assert wrote.ok, wrote
+    assert (other / "a.txt").read_text() == "x"
+    pwd = await pool.call("bash", {"command": "pwd"}, workspace=str(other))
+    assert pwd.value is not None
+    assert pwd.value["stdout"] == f"{other}\n"
+    escaped = await pool.call("read", {"path": "../ws/hello.txt"}, workspace=str(other))
+    assert escaped.status is Status.DENIED  # the call's workspace confines it, not the pool's
+    with pytest.raises(ValueError, match="absolute"):
+        await pool.call("ls", {}, workspace="relative")
+
+
 async def test_ls(pool: Pool) -> None:
     outcome = await pool.call("ls", {})
     assert outcome.value is not None

@@ -3,10 +3,12 @@
 Each non-blank line of CALLS.jsonl is a JSON object::
 
     {"tool": "read", "args": {"path": "a.txt"}, "timeout": 5, "id": "c1", "cwd": "src",
-     "after": ["c0"]}
+     "after": ["c0"], "workspace": "episode-7"}
 
 ``tool`` is required; ``args`` defaults to ``{}``; ``timeout`` (seconds) defaults to the
-config's ``calls.timeout_s``; ``cwd`` to the workspace root. ``meta`` is anything the file's
+config's ``calls.timeout_s``; ``cwd`` to the workspace root. ``workspace`` names a folder under
+the run's workspace root (``--workspace``) that the call is confined to instead of the root; on
+a Ray cluster all calls of one workspace run on one node. ``meta`` is anything the file's
 author wants to keep with the line (an episode, a step); the runner ignores it. Any other key is
 an error, so that a typo ("timout") is not silently ignored. ``after`` lists ids of *earlier*
 lines that must have finished (whatever their outcome) before this call starts: it orders a
@@ -42,7 +44,7 @@ from sandbx_pool.errors import SandbxPoolError
 from sandbx_pool.workers.schemas import TOOL_ARGS, UnknownTool, parse_args
 
 #: The keys a line may have. Anything else is a typo worth stopping for ("timout").
-LINE_KEYS: Final = ("tool", "args", "timeout", "id", "cwd", "after", "meta")
+LINE_KEYS: Final = ("tool", "args", "timeout", "id", "cwd", "after", "meta", "workspace")
 
 #: Problems listed in a BatchFileError; a file wrong on every line needs no 20,000-line message.
 MAX_REPORTED: Final = 20
@@ -61,6 +63,8 @@ class CallSpec(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float | None = None
     cwd: str | None = None
     after: tuple[str, ...] = ()
+    #: A folder under the run's workspace root (relative, normalised), or None: the root.
+    workspace: str | None = None
 
 
 class LineProblem(msgspec.Struct, frozen=True):
@@ -90,11 +94,15 @@ class BatchFileError(SandbxPoolError):
         super().__init__("\n".join(lines))
 
 
-def canonical_json(tool: str, args: Any, timeout_s: float | None, cwd: str | None) -> str:
+def canonical_json(
+    tool: str, args: Any, timeout_s: float | None, cwd: str | None, workspace: str | None = None
+) -> str:
     """The form hashed into a derived id: sorted keys, no spaces, timeout as a float."""
     content: dict[str, Any] = {"tool": tool, "args": args, "timeout": timeout_s}
     if cwd is not None:
         content["cwd"] = cwd
+    if workspace is not None:  # absent when not given: ids of older files stay the same
+        content["workspace"] = workspace
     return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -165,10 +173,11 @@ def _parse_line(
     if cwd is not None and not isinstance(cwd, str):
         raise _BadLine(f'"cwd" must be a string, got {_json_type(cwd)}')
     after = _after(item.get("after", []), seen_ids)
+    workspace = _workspace(item.get("workspace"))
     if "id" in item:
         call_id = _explicit_id(item["id"])
     else:
-        canonical = canonical_json(tool, args, timeout_s, cwd)
+        canonical = canonical_json(tool, args, timeout_s, cwd, workspace)
         call_id = derived_id(canonical, occurrences[canonical])
         occurrences[canonical] += 1
     if call_id in seen_ids:
@@ -181,7 +190,20 @@ def _parse_line(
         timeout_s=timeout_s,
         cwd=cwd,
         after=after,
+        workspace=workspace,
     )
+
+
+def _workspace(value: Any) -> str | None:
+    """A folder under the workspace root, checked lexically (nothing is stat'ed)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _BadLine(f'"workspace" must be a non-empty string, got {_json_type(value)}')
+    name = os.path.normpath(value)
+    if os.path.isabs(name) or name == ".." or name.startswith("../"):
+        raise _BadLine(f'"workspace" must be a folder under the workspace root, got {value!r}')
+    return None if name == "." else name
 
 
 def _tool(item: dict[str, Any]) -> str:

@@ -177,6 +177,9 @@ def format_summary(report: BatchReport) -> list[str]:
         lines.append(f"failure: {report.failure}")
     if report.results:
         lines += ["", *_status_table(report.results)]
+        if nodes := report.by_node():
+            lines += ["", "calls per node:"]
+            lines += [f"  {node}  {count}" for node, count in sorted(nodes.items())]
         durations = sorted(outcome.duration_s for _, outcome in report.results)
         p50, p99 = percentile(durations, 50.0), percentile(durations, 99.0)
         lines += ["", f"latency: p50 {p50:.3f} s, p99 {p99:.3f} s, max {durations[-1]:.3f} s"]

@@ -22,7 +22,12 @@ Such a call is *in doubt*: listed and skipped, unless ``rerun_started``; so are 
 that come ``after`` it (held back: not run, and counted so). A missing ``started``
 record proves nothing (it is written just after the call is sent to its worker), so an intent
 without an outcome counts as in doubt whether or not one was found. Calls the pool refused
-because the journal could not be written (reason ``JOURNAL_REFUSED``) never ran, and run again.
+because the journal could not be written (reason ``JOURNAL_REFUSED``) never ran, and run again;
+so do calls lost with their Ray node (reason ``NODE_LOST``), except edit and bash ones a worker
+had taken, which are in doubt like any other.
+
+The pool is a ``Pool`` or an ``integrations.ray.RayPool`` (``run --ray``): a line's
+``workspace`` is then given by name, and each outcome carries the node it ran on.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
@@ -43,6 +48,7 @@ from sandbx_pool.journal.reader import read_journal
 from sandbx_pool.journal.records import (
     IDEMPOTENT_TOOLS,
     JOURNAL_REFUSED,
+    NODE_LOST,
     IntentRecord,
     OutcomeRecord,
 )
@@ -50,6 +56,9 @@ from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputChunk
 from sandbx_pool.pool import Pool
+
+if TYPE_CHECKING:
+    from sandbx_pool.integrations.ray import RayPool
 
 #: How many of the slowest calls the report keeps.
 SLOWEST: Final = 5
@@ -64,6 +73,18 @@ def is_shutdown_cancel(status: str, killed_by: str | None) -> bool:
     return status == Status.CANCELLED and killed_by == KilledBy.SHUTDOWN
 
 
+def is_node_lost(status: str, reason: str | None) -> bool:
+    """An outcome that says the call's Ray node died under it: resume runs it again."""
+    return status == Status.CRASHED and reason == NODE_LOST
+
+
+def reruns(outcome: Outcome) -> bool:
+    """Whether ``--resume`` runs this outcome's call again: it did not run to an end."""
+    return is_shutdown_cancel(outcome.status, outcome.killed_by) or is_node_lost(
+        outcome.status, outcome.reason
+    )
+
+
 def finished_call_ids(path: str | os.PathLike[str]) -> set[str]:
     """Call ids with an outcome that says they ran (see ``ran_to_an_end``)."""
     return resume_plan(path).finished
@@ -73,6 +94,8 @@ def ran_to_an_end(record: OutcomeRecord) -> bool:
     """An outcome after which the call needs no new run: not a shutdown cancel (the *run* was
     stopped, not the call), not a refusal by a journal that could not be written."""
     if is_shutdown_cancel(record.status, record.killed_by):
+        return False
+    if is_node_lost(record.status, record.reason):
         return False
     return not (record.status == Status.ERROR and record.reason == JOURNAL_REFUSED)
 
@@ -133,10 +156,8 @@ class BatchReport:
 
     @property
     def ran(self) -> int:
-        """Calls that have an outcome which is not a shutdown cancel."""
-        return sum(
-            not is_shutdown_cancel(outcome.status, outcome.killed_by) for _, outcome in self.results
-        )
+        """Calls that have an outcome which is not a shutdown cancel, nor lost with a node."""
+        return sum(not reruns(outcome) for _, outcome in self.results)
 
     @property
     def not_run(self) -> int:
@@ -153,6 +174,14 @@ class BatchReport:
             counts[outcome.status] = counts.get(outcome.status, 0) + 1
         return counts
 
+    def by_node(self) -> dict[str, int]:
+        """Outcomes per Ray node (empty on one machine)."""
+        counts: dict[str, int] = {}
+        for _, outcome in self.results:
+            if outcome.node is not None:
+                counts[outcome.node] = counts.get(outcome.node, 0) + 1
+        return counts
+
     def slowest(self, n: int = SLOWEST) -> list[tuple[CallSpec, Outcome]]:
         return sorted(self.results, key=lambda item: item[1].duration_s, reverse=True)[:n]
 
@@ -165,7 +194,7 @@ class BatchReport:
 
 
 async def run_batch(
-    pool: Pool,
+    pool: Pool | RayPool,
     calls: list[CallSpec],
     *,
     parallel: int,
@@ -220,6 +249,13 @@ async def run_batch(
                 if on_submit is not None:
                     on_submit(spec)
                 sink = _output_file(output_dir, spec)
+                extra: dict[str, Any] = {}
+                if isinstance(pool, Pool):
+                    extra["on_output"] = sink.write if sink is not None else None
+                    if spec.workspace is not None:
+                        extra["workspace"] = os.path.join(pool.workspace, spec.workspace)
+                else:  # a RayPool: workspaces by name, output only in the outcome
+                    extra["workspace"] = spec.workspace
                 try:
                     outcome = await pool.call(
                         spec.tool,
@@ -228,7 +264,7 @@ async def run_batch(
                         cwd=spec.cwd,
                         call_id=spec.call_id,
                         cancel=tokens.get(spec.call_id) if tokens else None,
-                        on_output=sink.write if sink is not None else None,
+                        **extra,
                     )
                 except PoolClosed:
                     return  # closed by a stop: this call was refused before its intent

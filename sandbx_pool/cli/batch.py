@@ -9,6 +9,11 @@ again, except edit and bash calls a worker had already taken: those may have don
 effect, so they are listed as in doubt and skipped unless ``--rerun-started``). A resumed run
 that skipped calls in doubt exits 1 and says how to re-run them.
 
+On a Ray cluster (``--ray ADDRESS|auto``) the calls run on the cluster's nodes through
+``integrations.ray.RayPool``: a line's ``workspace`` names a folder under ``--workspace`` (all
+its calls run on one node), ``--parallel`` is the number of calls in flight across the cluster,
+and the summary counts the calls per node. Calls lost with a node are run again by ``--resume``.
+
 Settings: ``--config FILE`` is loaded first and the flags given on the command line override
 it (``--parallel`` sets ``pool.workers``); a flag not given leaves the file's value.
 """
@@ -45,7 +50,7 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="run a file of tool calls (JSON Lines) with a progress bar and a summary",
         description="Run every call of CALLS.jsonl; each line is "
         '{"tool": ..., "args": {...}, "timeout": S, "id": ..., "cwd": ..., "after": [ids], '
-        '"meta": ...}.',
+        '"meta": ..., "workspace": NAME}.',
     )
     run.add_argument("calls", metavar="CALLS.jsonl")
     run.add_argument("--workspace", default=".", help="directory every path is confined to")
@@ -69,6 +74,12 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         metavar="DIR",
         help="write each bash call's output to DIR/CALL_ID.out as it comes (for tail -f)",
     )
+    run.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run on a Ray cluster: its address, or 'auto' (the cluster this machine is part"
+        " of); needs the ray extra",
+    )
     run.set_defaults(func=_cmd_run)
 
     demo = subparsers.add_parser("demo", help="run a built-in batch on a temporary workspace")
@@ -88,8 +99,11 @@ def _positive_int(text: str) -> int:
 
 
 def effective_config(args: argparse.Namespace) -> Config:
-    """The config file (or the defaults) with the command line's flags on top."""
+    """The config file (or the defaults) with the command line's flags on top. On Ray,
+    ``--parallel`` counts calls across the cluster, not one node's workers."""
     config = load_config(args.config)
+    if getattr(args, "ray", None):
+        return config
     return config.override(pool={"workers": getattr(args, "parallel", None)})
 
 
@@ -114,6 +128,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _usage_error("run", "--resume needs --journal PATH (the journal of the earlier run)")
     if args.rerun_started and not args.resume:
         return _usage_error("run", "--rerun-started goes with --resume")
+    if args.ray is not None and args.output_dir is not None:
+        return _usage_error("run", "--output-dir is not available with --ray (no streaming)")
+    if args.ray is not None and not _ray_installed():
+        return _usage_error("run", "--ray needs Ray: pip install 'sandbx-pool[ray]'")
     if args.output_dir is not None:
         # The user's own directory, not the workspace: made here, so a typo fails at once.
         try:
@@ -173,6 +191,7 @@ def _run(
 ) -> int:
     from sandbx_pool.batch.progress import Progress, format_summary, showing
     from sandbx_pool.batch.run import run_batch
+    from sandbx_pool.integrations.ray import RayPool
     from sandbx_pool.pool import Pool
     from sandbx_pool.signals import Stopper, run_until_signalled
 
@@ -184,14 +203,20 @@ def _run(
             )
         report: BatchReport | None = None
         try:
-            pool = stopper.watch(Pool(args.workspace, journal=args.journal, config=config))
-            async with pool:
+            pool: Pool | RayPool
+            if args.ray is not None:
+                pool = RayPool(
+                    args.workspace, address=args.ray, journal=args.journal, config=config
+                )
+            else:
+                pool = Pool(args.workspace, journal=args.journal, config=config)
+            async with stopper.watch(pool):
                 progress = Progress(todo)  # once the pool is up: the rate is the calls'
                 async with showing(progress):
                     report = await run_batch(
                         pool,
                         batch.calls,
-                        parallel=config.workers(),
+                        parallel=args.parallel or config.workers(),
                         skip=skip,
                         in_doubt=in_doubt if args.resume and not args.rerun_started else (),
                         stop=stopper.stopping,
@@ -217,6 +242,12 @@ def _run(
         return 0 if report.complete else EXIT_FAILED
 
     return run_until_signalled(main)
+
+
+def _ray_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
 
 
 def _in_doubt_lines(report: BatchReport, batch: BatchFile, args: argparse.Namespace) -> list[str]:

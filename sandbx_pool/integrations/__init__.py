@@ -5,6 +5,8 @@
   Pool. Needs the ``inspect`` extra.
 * ``mini_swe_agent``: ``SandbxEnvironment`` for mini-swe-agent's ``environment_class``. Needs
   the ``mini-swe-agent`` extra.
+* ``ray``: a pool per node of a Ray cluster (``node_pool``) and ``RayPool``, the Pool API across
+  the cluster (``run --ray``). Needs the ``ray`` extra.
 
-Neither module is imported here: each pulls in its framework, which the core does not need.
+No module is imported here: each pulls in its framework, which the core does not need.
 """

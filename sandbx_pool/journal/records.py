@@ -36,6 +36,11 @@ JOURNAL_VERSION: Final = 1
 #: durable (disk full, journal removed): nothing happened, so ``run --resume`` runs it again.
 JOURNAL_REFUSED: Final = "journal unavailable"
 
+#: The ``reason`` of a ``crashed`` outcome whose call was lost with its Ray node
+#: (integrations.ray): ``run --resume`` runs it again, on a live node, unless it may have done
+#: a side effect that is not idempotent (then it is in doubt, as after a coordinator crash).
+NODE_LOST: Final = "node lost"
+
 #: Tools that may run again whatever happened the first time: the read-only ones, and write,
 #: which sets a file's whole content (running it twice leaves what running it once left, unless
 #: another call changed that file in between). edit and bash may not: a second run can apply
@@ -103,6 +108,8 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
     value_summary: dict[str, Any] | None = None
     wchan: str | None = None
     stuck_pid: int | None = None
+    #: The Ray node the call ran on (integrations.ray); absent on one machine.
+    node: str | None = None
 
     @classmethod
     def from_outcome(cls, outcome: Outcome, *, time: float, limit: int) -> OutcomeRecord:
@@ -123,6 +130,7 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
             value_summary=summarize_value(outcome.value),
             wchan=outcome.wchan,
             stuck_pid=outcome.stuck_pid,
+            node=outcome.node,
         )
 
 

@@ -1,0 +1,584 @@
+"""Ray: one pool per node of a cluster, and ``RayPool``, the Pool API across the cluster.
+
+    driver: RayPool.call(tool, args, workspace="ep-7")
+        |  journal intent (the driver's journal: in-doubt and resume work as on one machine)
+        |  placement: workspace -> node (sticky; a new one goes to the least loaded live node)
+        v
+    NodePool actor "sandbx-pool:<node id>" (named, detached, pinned to its node, async)
+        |  Pool.call(tool, args, workspace=ROOT/ep-7, cancel=<the ticket's token>)
+        v  one Pool per node: its template and workers serve every workspace on the node
+    Outcome (node=<node id>) --> driver journals the outcome --> caller
+
+Actors:
+
+* ``NodePool``: a long-lived actor per node that owns the node's ``Pool`` (started on its first
+  call, journal off: whoever drives the calls journals them). ``node_pool()`` returns the
+  handle of this node's actor, creating it if missing, so every rollout worker or task on a
+  node shares one pool. ``handle.call.remote(...)`` returns the ``Outcome``; ``ray.cancel`` of
+  that ref raises CancelledError inside the actor's coroutine, which kills the call's process
+  group on the node (Pool.call's task cancel).
+* ``RayPool``: the driver's side. A cancel (token or task) is sent to the node as
+  ``cancel(ticket)`` rather than ``ray.cancel``: the actor's ``call`` then *returns* the
+  cancelled outcome (a ray.cancel'ed ref has none to give), which the driver journals.
+
+Node loss: a call whose actor died (its node was removed, or the actor crashed) ends
+``crashed`` with an error naming the node and reason ``NODE_LOST`` (``run --resume`` runs it
+again); its workspaces are placed afresh on live nodes, so the workspace root must be on
+storage every node sees.
+
+``ray`` is imported lazily: the core never needs it (``pip install 'sandbx-pool[ray]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import os
+import time
+import uuid
+from collections import Counter
+from typing import Any, Final
+
+import msgspec
+
+from sandbx_pool.cancel import CancelToken
+from sandbx_pool.config import Config, load_config
+from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost
+from sandbx_pool.journal.records import JOURNAL_REFUSED, NODE_LOST
+from sandbx_pool.journal.store import Journal
+from sandbx_pool.journal.writer import JournalWriteError
+from sandbx_pool.logs import logger
+from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
+from sandbx_pool.pool import Pool, check_call_arguments
+from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
+
+#: Ray namespace of the node actors: every driver of the cluster finds the same ones.
+NAMESPACE: Final = "sandbx-pool"
+ACTOR_PREFIX: Final = "sandbx-pool:"
+
+#: After a cancel is sent, how long the driver waits for the node's cancelled outcome before it
+#: gives up on the node (ray.cancel, then a ``cancelled`` outcome of its own). The node answers
+#: within the kill's own deadlines (grace_s, kill_wait_s: about 1 s); this bounds a node that
+#: no longer answers at all.
+CANCEL_ANSWER_S: Final = 5.0
+
+#: How long a list of the cluster's live nodes is trusted when a new workspace is placed.
+NODES_TTL_S: Final = 1.0
+
+#: Cancels that reached a node before their call did (kept so the call is refused on arrival).
+EARLY_CANCELS_KEPT: Final = 4096
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError(
+            "sandbx_pool.integrations.ray needs Ray: pip install 'sandbx-pool[ray]'"
+        ) from exc
+    return ray
+
+
+# -- the node's side -----------------------------------------------------------------------
+
+
+class NodePool:
+    """The actor that owns one node's Pool (made a Ray actor by ``node_pool``)."""
+
+    def __init__(self, node_id: str, config: Config, workers: int | None) -> None:
+        self.node_id = node_id
+        # The node's pool journals nothing: its callers do (RayPool), or choose not to.
+        self._config = config.override(journal={"policy": "off"})
+        self._workers = workers
+        self._pool: Pool | None = None
+        self._starting = asyncio.Lock()
+        self._tokens: dict[str, CancelToken] = {}
+        self._early: dict[str, str | None] = {}
+
+    async def _open_pool(self) -> Pool:
+        async with self._starting:
+            if self._pool is None:
+                # Its own workspace is never used: every call names one (an absolute path).
+                pool = Pool("/", workers=self._workers, config=self._config)
+                await pool.start()
+                self._pool = pool
+            return self._pool
+
+    async def call(
+        self,
+        tool: str,
+        args: dict[str, Any],
+        *,
+        workspace: str,
+        timeout: float | None = None,  # noqa: ASYNC109 (Pool.call's name: a kill deadline)
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        ticket: str | None = None,
+    ) -> Outcome:
+        """Run one call on this node, confined to ``workspace`` (an absolute path here)."""
+        pool = await self._open_pool()
+        token = CancelToken()
+        if ticket is not None:
+            self._tokens[ticket] = token
+            if ticket in self._early:
+                token.cancel(self._early.pop(ticket))
+        try:
+            outcome = await pool.call(
+                tool, args, workspace=workspace, timeout=timeout, cwd=cwd, env=env, cancel=token
+            )
+        except TemplateLost:
+            # The node's pool is broken for good: the next call opens a new one.
+            self._pool = None
+            await pool.close()
+            raise
+        finally:
+            if ticket is not None:
+                self._tokens.pop(ticket, None)
+        return msgspec.structs.replace(outcome, node=self.node_id)
+
+    def cancel(self, ticket: str, reason: str | None = None) -> None:
+        """Kill the call of ``ticket`` (its ``call`` then returns the cancelled outcome)."""
+        token = self._tokens.get(ticket)
+        if token is not None:
+            token.cancel(reason)
+            return
+        if len(self._early) >= EARLY_CANCELS_KEPT:
+            self._early.pop(next(iter(self._early)))
+        self._early[ticket] = reason
+
+    def info(self) -> dict[str, Any]:
+        pool = self._pool
+        return {
+            "node": self.node_id,
+            "pid": os.getpid(),
+            "workers": pool.max_workers if pool is not None else None,
+            "running": len(pool.running()) if pool is not None else 0,
+        }
+
+    async def close(self) -> None:
+        """Close the node's pool (the actor stays; its next call opens a new one)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+
+_actor_class: Any = None
+
+
+def node_pool(
+    node_id: str | None = None,
+    *,
+    workers_per_node: int | None = None,
+    config: Config | None = None,
+) -> Any:
+    """The handle of ``node_id``'s pool actor (default: this node's), created if missing.
+
+    The first caller's ``workers_per_node`` and ``config`` make the actor; later callers share
+    it as it is. ``ray.get(handle.call.remote(tool, args, workspace=ABS, timeout=...))`` returns
+    the Outcome; ``ray.cancel(ref)`` kills the call (its process group, on the node).
+    """
+    global _actor_class
+    ray = _ray()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = node_id or ray.get_runtime_context().get_node_id()
+    if _actor_class is None:
+        _actor_class = ray.remote(NodePool)
+    return _actor_class.options(
+        name=ACTOR_PREFIX + node,
+        namespace=NAMESPACE,
+        lifetime="detached",  # long-lived: shared by every task and driver of the node
+        get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        num_cpus=0,  # a coordinator on the loop; the workers are its own processes
+        max_restarts=0,
+    ).remote(node, config if config is not None else Config(), workers_per_node)
+
+
+def shutdown_node_pools() -> int:
+    """Kill every node's pool actor of the cluster (their workers go with them). Returns how
+    many were killed."""
+    ray = _ray()
+    killed = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        with contextlib.suppress(ValueError):  # no actor on that node
+            handle = ray.get_actor(ACTOR_PREFIX + node["NodeID"], namespace=NAMESPACE)
+            ray.kill(handle, no_restart=True)
+            killed += 1
+    return killed
+
+
+# -- the driver's side ---------------------------------------------------------------------
+
+
+class RayPoolState(enum.IntEnum):
+    NEW = 0
+    OPEN = 1
+    CLOSING = 2
+    CLOSED = 3
+
+
+class Placement:
+    """Which node runs each workspace: sticky, and a new workspace goes to the live node with
+    the fewest workspaces per CPU. Synchronous decisions; the caller supplies the live nodes."""
+
+    def __init__(self) -> None:
+        self.node_of: dict[str | None, str] = {}
+        self.load: Counter[str] = Counter()
+
+    def place(self, workspace: str | None, live: dict[str, float]) -> str:
+        node = self.node_of.get(workspace)
+        if node is not None and node in live:
+            return node
+        if node is not None:
+            self.load[node] -= 1
+        if not live:
+            raise RuntimeError("the Ray cluster has no live node with a CPU")
+        chosen = min(live, key=lambda n: ((self.load[n] + 1) / live[n], n))
+        self.node_of[workspace] = chosen
+        self.load[chosen] += 1
+        return chosen
+
+    def forget_node(self, node: str) -> None:
+        for workspace in [w for w, n in self.node_of.items() if n == node]:
+            del self.node_of[workspace]
+        self.load.pop(node, None)
+
+
+class _Flight:
+    """One call on its node: who asked for its kill first (recorded before the cancel is sent)."""
+
+    def __init__(self, handle: Any, ticket: str) -> None:
+        self.handle = handle
+        self.ticket = ticket
+        self.killer: KilledBy | None = None
+        self.reason: str | None = None
+        self.kill_sent = asyncio.Event()
+
+    def request_kill(self, killer: KilledBy, reason: str | None) -> None:
+        if self.killer is not None:
+            return
+        self.killer, self.reason = killer, reason
+        self.handle.cancel.remote(self.ticket, reason)
+        self.kill_sent.set()
+
+
+class RayPool:
+    """The Pool API across a Ray cluster. Use as ``async with RayPool(root) as pool``.
+
+    ``await pool.call(tool, args, workspace="ep-7")`` runs the call confined to
+    ``workspace_root/ep-7`` on the node that runs every call of that workspace. ``address`` is
+    given to ``ray.init`` when Ray is not initialised yet (None: a local Ray, or
+    ``RAY_ADDRESS``). ``workers_per_node`` and ``config`` make the node actors this pool
+    creates (an actor that exists already is shared as it is). ``journal`` is written here.
+    """
+
+    def __init__(
+        self,
+        workspace_root: str | os.PathLike[str],
+        *,
+        address: str | None = None,
+        workers_per_node: int | None = None,
+        journal: str | os.PathLike[str] | None = None,
+        config: str | os.PathLike[str] | Config | None = None,
+    ) -> None:
+        self.config = config if isinstance(config, Config) else load_config(config)
+        self.workspace_root = os.path.abspath(os.fspath(workspace_root))
+        self.address = address
+        self.workers_per_node = workers_per_node
+        self.journal: Journal | None = None
+        self._journal_path = os.fspath(journal) if journal is not None else None
+        self.state = RayPoolState.NEW
+        self.placement = Placement()
+        self._handles: dict[str, Any] = {}
+        self._live: dict[str, float] = {}
+        self._live_at = -NODES_TTL_S
+        self._flights: dict[str, _Flight] = {}
+        self._drivers: set[asyncio.Task[Outcome]] = set()
+        self._ids = itertools.count(1)
+        self._id_prefix = f"ray-{os.getpid():x}-{int(time.time()):x}"
+        self._started_ray = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<RayPool [{self.state.name} | {len(self._live)} nodes | "
+            f"{len(self.placement.node_of)} workspaces | {len(self._flights)} in flight]>"
+        )
+
+    async def __aenter__(self) -> RayPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self.state is not RayPoolState.NEW:
+            raise PoolClosed("a pool is started once")
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
+            self._started_ray = True
+        if self._journal_path is not None:
+            self.journal = await Journal.open(self._journal_path, self.config.journal)
+        self._refresh_nodes(force=True)
+        self.state = RayPoolState.OPEN
+
+    async def close(self) -> None:
+        """Cancel what is in flight (killer ``shutdown``), journal it, close the journal. The
+        node actors stay (shared); ``shutdown_node_pools()`` ends them."""
+        if self.state is not RayPoolState.OPEN:
+            self.state = RayPoolState.CLOSED
+            return
+        self.state = RayPoolState.CLOSING
+        for flight in self._flights.values():
+            flight.request_kill(KilledBy.SHUTDOWN, "pool closing")
+        drivers = [task for task in self._drivers if not task.done()]
+        if drivers:
+            await asyncio.wait(drivers, timeout=self.config.pool.close_timeout_s + CANCEL_ANSWER_S)
+        if self.journal is not None:
+            await self.journal.close()
+        if self._started_ray:
+            _ray().shutdown()
+        self.state = RayPoolState.CLOSED
+
+    def kill_now(self) -> None:
+        """Send every call in flight its cancel at once, without waiting (last resort)."""
+        for flight in self._flights.values():
+            flight.request_kill(KilledBy.SHUTDOWN, "exiting now")
+
+    # -- the public call -------------------------------------------------------------------
+
+    async def call(
+        self,
+        tool: str,
+        args: dict[str, Any],
+        *,
+        workspace: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (the contract's name; a kill deadline)
+        cancel: CancelToken | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        call_id: str | None = None,
+    ) -> Outcome:
+        """Run one call on the node of ``workspace`` (a folder under the root; None: the root).
+
+        Cancelling the awaiting task or ``cancel`` kills the call on its node; the task's
+        CancelledError is re-raised once the node has answered (within about 1 s).
+        """
+        if self.state is RayPoolState.NEW:
+            raise PoolNotStarted("use `async with RayPool(...)` or `await pool.start()` first")
+        if self.state is not RayPoolState.OPEN:
+            raise PoolClosed("the pool is closed")
+        check_call_arguments(timeout, cwd, env, None, call_id)
+        path = self.workspace_path(workspace)
+        call_id = call_id or f"{self._id_prefix}-{next(self._ids)}"
+        if call_id in self._flights:
+            raise ValueError(f"call_id {call_id!r} is already in flight")
+        node = self._place(workspace)
+        flight = _Flight(self._handle(node), uuid.uuid4().hex)
+        self._flights[call_id] = flight
+        loop = asyncio.get_running_loop()
+
+        def on_token(reason: str | None) -> None:
+            loop.call_soon_threadsafe(flight.request_kill, KilledBy.TOKEN, reason)
+
+        unsubscribe = cancel.subscribe(on_token) if cancel is not None else None
+        call = (tool, args, path, timeout, cwd, env)
+        driver = asyncio.create_task(self._drive(call_id, node, flight, call), name=call_id)
+        self._drivers.add(driver)
+        driver.add_done_callback(self._drivers.discard)
+        try:
+            return await asyncio.shield(driver)
+        except asyncio.CancelledError as exc:
+            reason = str(exc.args[0]) if exc.args else "the awaiting task was cancelled"
+            flight.request_kill(KilledBy.TASK, reason)
+            while not driver.done():  # bounded by CANCEL_ANSWER_S
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({driver})
+            raise
+        finally:
+            self._flights.pop(call_id, None)
+            if unsubscribe is not None:
+                unsubscribe()
+
+    def workspace_path(self, workspace: str | None) -> str:
+        """The absolute path of a workspace name: lexical, and never outside the root."""
+        if workspace is None:
+            return self.workspace_root
+        if not isinstance(workspace, str) or not workspace:
+            raise TypeError(f"workspace must be a folder name under the root, not {workspace!r}")
+        path = os.path.normpath(os.path.join(self.workspace_root, workspace))
+        if os.path.isabs(workspace) or not (
+            path == self.workspace_root or path.startswith(self.workspace_root + os.sep)
+        ):
+            raise ValueError(f"workspace {workspace!r} is not a folder under the root")
+        return path
+
+    def nodes(self) -> dict[str | None, str]:
+        """Which node each workspace placed so far runs on."""
+        return dict(self.placement.node_of)
+
+    # -- one call's life ---------------------------------------------------------------------
+
+    async def _drive(
+        self, call_id: str, node: str, flight: _Flight, call: tuple[Any, ...]
+    ) -> Outcome:
+        tool, args, path, timeout, cwd, _ = call
+        started = time.monotonic()
+        outcome: Outcome | None = None
+        if self.journal is not None:
+            try:
+                await self.journal.intent(
+                    call_id=call_id,
+                    tool=tool,
+                    args=args if isinstance(args, dict) else {"<invalid>": repr(args)},
+                    cwd=cwd or ".",
+                    timeout_s=timeout,
+                    workspace=path,
+                )
+            except JournalWriteError as exc:
+                if tool in SIDE_EFFECT_TOOLS:  # fail closed, as Pool does
+                    outcome = Outcome(
+                        call_id=call_id,
+                        tool=tool,
+                        status=Status.ERROR,
+                        error=f"not run: {exc}",
+                        reason=JOURNAL_REFUSED,
+                    )
+        if outcome is None and flight.killer is not None:
+            outcome = Outcome(
+                call_id=call_id,
+                tool=tool,
+                status=STATUS_OF_KILLER[flight.killer],
+                killed_by=flight.killer,
+                reason=flight.reason,
+            )
+        if outcome is None:
+            try:
+                outcome = await self._run(call_id, node, flight, call)
+            except Exception as exc:  # a driver bug must still end as exactly one outcome
+                logger.exception("call {} failed in the driver", call_id)
+                outcome = Outcome(
+                    call_id=call_id, tool=tool, status=Status.CRASHED, error=f"driver error: {exc}"
+                )
+            outcome = msgspec.structs.replace(outcome, duration_s=time.monotonic() - started)
+        if self.journal is not None:
+            self.journal.outcome(outcome)
+        return outcome
+
+    async def _run(
+        self, call_id: str, node: str, flight: _Flight, call: tuple[Any, ...]
+    ) -> Outcome:
+        ray = _ray()
+        tool, args, path, timeout, cwd, env = call
+        ref = flight.handle.call.remote(
+            tool, args, workspace=path, timeout=timeout, cwd=cwd, env=env, ticket=flight.ticket
+        )
+        answer = asyncio.ensure_future(_settle(ref))
+        killed = asyncio.ensure_future(flight.kill_sent.wait())
+        try:
+            await asyncio.wait({answer, killed}, return_when=asyncio.FIRST_COMPLETED)
+            if not answer.done():
+                # Killed: the node answers with the cancelled outcome within its kill's deadlines.
+                done, _ = await asyncio.wait({answer}, timeout=CANCEL_ANSWER_S)
+                if not done:
+                    ray.cancel(ref)
+                    answer.cancel()
+                    return Outcome(
+                        call_id=call_id,
+                        tool=tool,
+                        status=Status.CANCELLED,
+                        killed_by=flight.killer,
+                        reason=flight.reason,
+                        started=True,
+                        node=node,
+                        error=f"node {node} did not answer the cancel within {CANCEL_ANSWER_S} s",
+                    )
+        finally:
+            killed.cancel()
+        value = answer.result()
+        if isinstance(value, Outcome):
+            fields: dict[str, Any] = {"call_id": call_id, "node": node}
+            if flight.killer is not None and value.killed_by is KilledBy.TOKEN:
+                # The node saw a token; who asked is known here (the caller's token or task).
+                fields |= {"killed_by": flight.killer, "reason": flight.reason}
+            return msgspec.structs.replace(value, **fields)
+        return self._failed(call_id, tool, node, value)
+
+    def _failed(self, call_id: str, tool: str, node: str, exc: BaseException) -> Outcome:
+        ray = _ray()
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            # The node's Pool raised (misuse is checked here first; this is its infrastructure).
+            return Outcome(
+                call_id=call_id,
+                tool=tool,
+                status=Status.CRASHED,
+                error=f"node {node}: {exc.cause!r}" if exc.cause else f"node {node}: {exc}",
+                started=True,
+                node=node,
+            )
+        # The actor is gone: its node died, or it did. Either way its calls are lost, and its
+        # workspaces go to a live node from now on.
+        self._handles.pop(node, None)
+        self._refresh_nodes(force=True)
+        lost = node not in self._live
+        if lost:
+            self.placement.forget_node(node)
+        what = "was lost" if lost else "lost its sandbx-pool actor"
+        logger.warning("node {} {} with call {} in flight", node, what, call_id)
+        return Outcome(
+            call_id=call_id,
+            tool=tool,
+            status=Status.CRASHED,
+            error=f"node {node} {what} while the call ran ({type(exc).__name__})",
+            reason=NODE_LOST,
+            started=True,
+            node=node,
+        )
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def _refresh_nodes(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._live_at < NODES_TTL_S:
+            return
+        live = {
+            node["NodeID"]: float(node.get("Resources", {}).get("CPU", 0.0))
+            for node in _ray().nodes()
+            if node.get("Alive") and node.get("Resources", {}).get("CPU", 0.0) > 0
+        }
+        for gone in set(self._live) - set(live):
+            self.placement.forget_node(gone)
+            self._handles.pop(gone, None)
+        self._live, self._live_at = live, now
+
+    def _place(self, workspace: str | None) -> str:
+        node = self.placement.node_of.get(workspace)
+        if node is None or node not in self._live:
+            self._refresh_nodes()
+        return self.placement.place(workspace, self._live)
+
+    def _handle(self, node: str) -> Any:
+        handle = self._handles.get(node)
+        if handle is None:
+            handle = node_pool(node, workers_per_node=self.workers_per_node, config=self.config)
+            self._handles[node] = handle
+        return handle
+
+
+async def _settle(ref: Any) -> Outcome | BaseException:
+    """The node's answer: its Outcome, or the Ray error that stands for it."""
+    ray = _ray()
+    try:
+        value = await ref
+    except ray.exceptions.RayError as exc:
+        error: BaseException = exc
+        return error
+    if not isinstance(value, Outcome):
+        return TypeError(f"the node answered {type(value).__name__}, not an Outcome")
+    return value
