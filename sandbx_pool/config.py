@@ -70,6 +70,10 @@ class JournalSettings(_Section):
     policy: JournalPolicy = JournalPolicy.SIDE_EFFECTS
     group_commit_ms: Annotated[float, Meta(ge=0)] = 5.0
     summarize_over_bytes: Annotated[int, Meta(ge=64)] = 4096
+    #: Journals at the default location (no path given) older than this many days are pruned.
+    default_keep_days: Annotated[float, Meta(gt=0)] = 7.0
+    #: ...and the oldest of them beyond this many.
+    default_keep_count: Annotated[int, Meta(ge=1)] = 100
 
 
 class EnvSettings(_Section):
