@@ -405,9 +405,7 @@ async def test_the_pool_admits_the_evals_max_samples_and_the_log_names_the_journ
     )
     assert span / SAMPLE_SLEEP_S < 2.0
     for sample in log.samples:
-        named = [
-            e.data for e in sample.events if isinstance(e, InfoEvent) and e.source == "sandbx"
-        ]
+        named = [e.data for e in sample.events if isinstance(e, InfoEvent) and e.source == "sandbx"]
         assert named == [{"sandbx_journal": config.journal}]
 
 
