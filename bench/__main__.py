@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming")
+SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming", "oneshot")
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,16 @@ class Counts:
     throughput_calls: int = 2000
     soak_calls: int = 2000
     streaming_calls: int = 400
+    oneshot_runs: int = 20
 
 
 QUICK = Counts(
-    latency_calls=60, cancels=20, throughput_calls=300, soak_calls=200, streaming_calls=60
+    latency_calls=60,
+    cancels=20,
+    throughput_calls=300,
+    soak_calls=200,
+    streaming_calls=60,
+    oneshot_runs=6,
 )
 
 
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from loguru import logger
 
-    from bench import cancel, latency, report, soak, streaming, throughput
+    from bench import cancel, latency, oneshot, report, soak, streaming, throughput
     from bench.procs import cpu_snapshot, leftovers, others_share
     from bench.workspace import MARKER, bench_workspace
 
@@ -91,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.soak = soak.run(ws, calls=calls, seed=args.seed)
                 elif section == "streaming":
                     result.streaming = streaming.run(ws, calls=counts.streaming_calls)
+                elif section == "oneshot":
+                    result.oneshot = oneshot.run(ws, runs=counts.oneshot_runs)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

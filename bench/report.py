@@ -19,6 +19,7 @@ from pathlib import Path
 from bench import cancel, latency, throughput
 from bench.cancel import CancelResult
 from bench.latency import LatencyResult
+from bench.oneshot import RATIO_BAR, OneShotResult
 from bench.procs import Leftovers
 from bench.soak import KINDS, SoakResult
 from bench.streaming import StreamingResult
@@ -39,6 +40,7 @@ class Report:
     throughput: ThroughputResult | None = None
     soak: SoakResult | None = None
     streaming: StreamingResult | None = None
+    oneshot: OneShotResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -398,6 +400,14 @@ def _bars(report: Report) -> str:
             bar("soak: left after close", "0", _left(left_closed), left_closed.count == 0)
         fds = f"{soak.fds_before} → {soak.fds_after}"
         bar("soak: coordinator fds", "back to start", fds, soak.fds_before == soak.fds_after)
+    if report.oneshot is not None:
+        ratio = report.oneshot.ratio
+        bar(
+            "one-shot call / python -c pass, p50",
+            f"<= {RATIO_BAR:g}x",
+            f"{ratio:.1f}x",
+            ratio <= RATIO_BAR,
+        )
     if report.final_left is not None:
         final = report.final_left
         bar("processes left at the end of the run", "0", _left(final), final.count == 0)
@@ -418,6 +428,19 @@ def _streaming(result: StreamingResult) -> str:
     )
 
 
+def _oneshot(result: OneShotResult) -> str:
+    named = (("python -c pass", result.bare), ("sandbx-pool call read", result.call))
+    rows = [
+        (name, str(samples.count), ms(samples.percentile_ms(50)), ms(samples.percentile_ms(95)))
+        for name, samples in named
+    ]
+    return (
+        "## One-shot: `sandbx-pool call read` against a bare interpreter\n\n"
+        + table(("command", "runs", "p50", "p95"), rows, "lrrr")
+        + f"\n\nRatio at p50: {result.ratio:.1f}x (bar: within {RATIO_BAR:g}x)."
+    )
+
+
 def render(report: Report) -> str:
     parts = [_header(report)]
     if report.latency is not None:
@@ -430,6 +453,8 @@ def render(report: Report) -> str:
         parts.append(_soak(report.soak))
     if report.streaming is not None:
         parts.append(_streaming(report.streaming))
+    if report.oneshot is not None:
+        parts.append(_oneshot(report.oneshot))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

@@ -197,7 +197,11 @@ class Pool:
             self._remains.loop = self._loop
             self._remains.reader_fds = self._inbox.watched_fds()
             self._template = TemplateProcess(
-                endpoint, self._on_template, self._on_template_lost, nofile=inherited_nofile
+                endpoint,
+                self._on_template,
+                self._on_template_lost,
+                nofile=inherited_nofile,
+                warm_up=self.config.pool.warm_up,
             )
             self._remains.launch = self._template.launch
             self._remains.sockets.append(self._template.socket)

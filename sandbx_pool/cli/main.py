@@ -78,6 +78,8 @@ def _cmd_call(args: argparse.Namespace) -> int:
     problem = workspace_problem(args.workspace)
     if problem is not None:
         return _usage_error(f"call: {problem}")
+    # One call: a warmed-up template and spare workers would cost more than they save.
+    config = config.override(pool={"warm_up": False, "prefork": 0})
 
     def show(chunk: OutputChunk) -> None:
         # On our stderr, both streams: stdout stays the outcome's JSON, for programs.
