@@ -380,7 +380,7 @@ def _sleep_and_time() -> Solver:
 @pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_the_pool_admits_the_evals_max_samples_and_the_log_names_the_journal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # No `workers`: the eval's max_samples decides. The pool's own default here is 4, so 12
     # samples of `sleep 2` would take three rounds (a span of 6 s, 3x the sleep) if it decided.
@@ -407,6 +407,8 @@ async def test_the_pool_admits_the_evals_max_samples_and_the_log_names_the_journ
     for sample in log.samples:
         named = [e.data for e in sample.events if isinstance(e, InfoEvent) and e.source == "sandbx"]
         assert named == [{"sandbx_journal": config.journal}]
+    announced = [r for r in caplog.records if r.getMessage().startswith("sandbx: task journal")]
+    assert [r.getMessage() for r in announced] == [f"sandbx: task journal {config.journal}"]
 
 
 @solver

@@ -6,8 +6,10 @@
   pool given no ``workers`` admits at least ``max_subprocesses`` calls from the start, and one
   more for each sample alive (samples alive never exceed ``max_samples``, however Inspect
   retunes it during the eval).
-* The journal: each sample's transcript gets an info event naming the task's journal, so the
-  eval log says where every call of the sample is recorded.
+* The journal: printed once per task, as a warning through the standard ``logging`` module,
+  which Inspect shows on its console and records (loguru's ``sandbx_pool`` logs stay off in a
+  library, so they would print nothing); and each sample's transcript gets an info event naming
+  it, so the eval log says where every call of the sample is recorded.
 * Cancel reasons: a sample stopped by Inspect cancels the task awaiting the call, with an anyio
   message ("Cancelled via cancel scope 7f88...") that says nothing to a reader of the journal.
   The provider cancels its calls through a token instead, with a reason read from the sample's
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Final
 
 from inspect_ai.log import transcript
@@ -33,6 +36,11 @@ def max_subprocesses() -> int | None:
     except ImportError:  # a private name: an Inspect without it just gets no hint
         return None
     return max_subprocesses_context_var.get()
+
+
+def announce_journal(path: str) -> None:
+    """Say once, where an eval's user looks, which journal records the task's calls."""
+    logging.getLogger("sandbx_pool.inspect").warning("sandbx: task journal %s", path)
 
 
 def record_journal(path: str) -> None:

@@ -192,7 +192,7 @@ async def _open_task(settings: SandbxConfig) -> _Task:
         await pool.close()
         raise
     if pool.journal is not None:  # once per task; each sample's log names it too
-        logger.warning("sandbx: task journal {}", pool.journal.path)
+        inspect_eval.announce_journal(pool.journal.path)
     return _Task(settings, pool, directory)
 
 
