@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming", "search", "cluster")
+SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming", "search", "cluster", "oneshot")
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Counts:
     soak_calls: int = 2000
     streaming_calls: int = 400
     cluster_calls: int = 800
+    oneshot_runs: int = 20
 
 
 QUICK = Counts(
@@ -31,6 +32,7 @@ QUICK = Counts(
     soak_calls=200,
     streaming_calls=60,
     cluster_calls=80,
+    oneshot_runs=6,
 )
 
 
@@ -60,7 +62,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from loguru import logger
 
-    from bench import cancel, cluster, latency, report, search, soak, streaming, throughput
+    from bench import (
+        cancel,
+        cluster,
+        latency,
+        oneshot,
+        report,
+        search,
+        soak,
+        streaming,
+        throughput,
+    )
     from bench.procs import cpu_snapshot, leftovers, others_share
     from bench.workspace import MARKER, bench_workspace
 
@@ -101,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.search = search.run(ws, runs=3 if args.quick else 9)
                 elif section == "cluster":
                     result.cluster = cluster.run(ws, calls=counts.cluster_calls)
+                elif section == "oneshot":
+                    result.oneshot = oneshot.run(ws, runs=counts.oneshot_runs)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

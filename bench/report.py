@@ -20,6 +20,7 @@ from bench import cancel, latency, throughput
 from bench.cancel import CancelResult
 from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.latency import LatencyResult
+from bench.oneshot import RATIO_BAR, OneShotResult
 from bench.procs import Leftovers
 from bench.search import SearchResult
 from bench.soak import KINDS, SoakResult
@@ -43,6 +44,7 @@ class Report:
     streaming: StreamingResult | None = None
     search: SearchResult | None = None
     cluster: ClusterResult | None = None
+    oneshot: OneShotResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -420,6 +422,14 @@ def _bars(report: Report) -> str:
         for name, (ours, peer, theirs) in report.search.rows.items():
             ratio = ours / theirs
             bar(f"{name} vs {peer}", "<= 1.5x (goal 1.2x)", f"{ratio:.2f}x", ratio <= 1.5)
+    if report.oneshot is not None:
+        ratio = report.oneshot.ratio
+        bar(
+            "one-shot call / python -c pass, p50",
+            f"<= {RATIO_BAR:g}x",
+            f"{ratio:.1f}x",
+            ratio <= RATIO_BAR,
+        )
     if report.final_left is not None:
         final = report.final_left
         bar("processes left at the end of the run", "0", _left(final), final.count == 0)
@@ -463,6 +473,19 @@ def _cluster(result: ClusterResult) -> str:
     )
 
 
+def _oneshot(result: OneShotResult) -> str:
+    named = (("python -c pass", result.bare), ("sandbx-pool call read", result.call))
+    rows = [
+        (name, str(samples.count), ms(samples.percentile_ms(50)), ms(samples.percentile_ms(95)))
+        for name, samples in named
+    ]
+    return (
+        "## One-shot: `sandbx-pool call read` against a bare interpreter\n\n"
+        + table(("command", "runs", "p50", "p95"), rows, "lrrr")
+        + f"\n\nRatio at p50: {result.ratio:.1f}x (bar: within {RATIO_BAR:g}x)."
+    )
+
+
 def render(report: Report) -> str:
     parts = [_header(report)]
     if report.latency is not None:
@@ -479,6 +502,8 @@ def render(report: Report) -> str:
         parts.append(_search(report.search))
     if report.cluster is not None:
         parts.append(_cluster(report.cluster))
+    if report.oneshot is not None:
+        parts.append(_oneshot(report.oneshot))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

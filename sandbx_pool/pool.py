@@ -60,6 +60,7 @@ from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
+from sandbx_pool.journal.prune import prune_default_journals
 from sandbx_pool.journal.records import JOURNAL_REFUSED, IntentRecord
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.journal.writer import JournalWriteError
@@ -69,6 +70,7 @@ from sandbx_pool.output import OutputCallback
 from sandbx_pool.remains import Remains, release
 from sandbx_pool.runtime_dir import (
     default_journal_path,
+    default_journals_dir,
     make_lock_dir,
     make_private_dir,
     make_tmp_root,
@@ -181,7 +183,7 @@ class Pool:
                 self.config.sandbox.for_workers(tmp_root=self._tmp_root, hidden=hidden),
                 lock_dir=self._lock_dir,
             )
-            journal_path = self._journal_path or default_journal_path()
+            journal_path = self._journal_path or self._fresh_default_journal()
             if self.config.journal.policy is not JournalPolicy.OFF or self._journal_path:
                 self.journal = await Journal.open(journal_path, self.config.journal)
                 # Its writer's own synchronous stop (it flushes what is queued, then closes).
@@ -195,7 +197,11 @@ class Pool:
             self._remains.loop = self._loop
             self._remains.reader_fds = self._inbox.watched_fds()
             self._template = TemplateProcess(
-                endpoint, self._on_template, self._on_template_lost, nofile=inherited_nofile
+                endpoint,
+                self._on_template,
+                self._on_template_lost,
+                nofile=inherited_nofile,
+                warm_up=self.config.pool.warm_up,
             )
             self._remains.launch = self._template.launch
             self._remains.sockets.append(self._template.socket)
@@ -212,6 +218,24 @@ class Pool:
         self._workers.forking = True
         self._workers.replenish()
         await self._remove_leftovers()
+
+    def admit(self, calls: int) -> None:
+        """Run at least ``calls`` calls at once from now on (``workers`` is only ever raised).
+
+        For a caller whose own concurrency is known only once it runs (an Inspect eval's
+        samples): its calls must not queue behind a pool sized for fewer."""
+        self.max_workers = max(self.max_workers, calls)
+        self._workers.widen(self.max_workers)
+
+    def _fresh_default_journal(self) -> str:
+        """A new journal path at the default location, its stale predecessors pruned first."""
+        settings = self.config.journal
+        prune_default_journals(
+            default_journals_dir(),
+            keep_days=settings.default_keep_days,
+            keep_count=settings.default_keep_count,
+        )
+        return default_journal_path()
 
     async def _remove_leftovers(self) -> None:
         """Have a worker remove the temp files of writes and edits a crash left in doubt, in

@@ -111,8 +111,13 @@ def make_lock_dir() -> str:
     return path
 
 
+def default_journals_dir() -> str:
+    """Where journals go when no path is given (journal.prune keeps it small)."""
+    return os.path.join(runtime_root(), "journals")
+
+
 def default_journal_path() -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    directory = os.path.join(runtime_root(), "journals")
+    directory = default_journals_dir()
     os.makedirs(directory, mode=0o700, exist_ok=True)
     return os.path.join(directory, f"{stamp}-{os.getpid()}-{secrets.token_hex(3)}.jsonl")

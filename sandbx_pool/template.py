@@ -44,6 +44,8 @@ class TemplateProcess:
         on_message: Callable[[FromTemplate], None],
         on_lost: Callable[[], None],
         nofile: tuple[int, int] | None = None,
+        *,
+        warm_up: bool = True,
     ) -> None:
         self._endpoint = endpoint
         self._on_message = on_message
@@ -58,6 +60,7 @@ class TemplateProcess:
             f"--control-fd={self._child_sock.fileno()}",
             f"--endpoint={self._endpoint}",
             f"--parent-pid={os.getpid()}",
+            f"--warm-up={'full' if warm_up else 'light'}",
         )
         self._thread = threading.Thread(
             target=_keep_template,

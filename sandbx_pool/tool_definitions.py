@@ -4,6 +4,11 @@ Names, argument schemas and descriptions all come from ``workers.schemas``: the 
 ``tool_schemas()``, the description from each argument Struct's docstring. ``sandbx-pool schema``
 prints these definitions and the MCP server lists exactly the ``mcp`` style, so what a model
 is told and what the pool validates cannot drift apart.
+
+A model is shown only what a model should set: the fields that exist for integrations (a
+sample's ``user``, an exec's ``argv`` and ``stdin_bytes``, a binary ``content_bytes`` or
+``encoding``) are left out of the definitions, and stay in ``tool_schemas()`` (``sandbx-pool
+tools --json``) for the programs that use them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,13 @@ from sandbx_pool.workers.schemas import TOOL_ARGS, tool_schemas
 
 ToolStyle = Literal["anthropic", "openai", "mcp"]
 STYLES: Final[tuple[str, ...]] = get_args(ToolStyle)
+
+#: Arguments that integrations set and models never should: hidden from model-facing definitions.
+INTEGRATION_ONLY: Final[dict[str, frozenset[str]]] = {
+    "read": frozenset({"encoding", "user"}),
+    "write": frozenset({"content_bytes", "user"}),
+    "bash": frozenset({"argv", "stdin_bytes", "user"}),
+}
 
 _FILE_READER = {"readOnlyHint": True, "openWorldHint": False}
 
@@ -51,11 +63,19 @@ def tool_description(name: str) -> str:
 
 
 def tool_parameters() -> dict[str, dict[str, Any]]:
-    """Each tool's JSON Schema without its description (the definitions carry it beside)."""
-    return {
-        name: {k: v for k, v in schema.items() if k != "description"}
-        for name, schema in tool_schemas().items()
-    }
+    """Each tool's JSON Schema as a model sees it: no description (the definitions carry it
+    beside), no integration-only property."""
+    parameters: dict[str, dict[str, Any]] = {}
+    for name, schema in tool_schemas().items():
+        hidden = INTEGRATION_ONLY.get(name, frozenset())
+        shown = {k: v for k, v in schema.items() if k != "description"}
+        shown["properties"] = {
+            key: value for key, value in schema.get("properties", {}).items() if key not in hidden
+        }
+        if "required" in schema:
+            shown["required"] = [key for key in schema["required"] if key not in hidden]
+        parameters[name] = shown
+    return parameters
 
 
 def tool_definitions(style: ToolStyle) -> list[dict[str, Any]]:

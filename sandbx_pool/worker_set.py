@@ -107,6 +107,15 @@ class WorkerSet:
         with contextlib.suppress(ValueError):
             self.waiting.remove(call)
 
+    def widen(self, max_workers: int) -> None:
+        """Let at least ``max_workers`` calls run at once from now on (never fewer than now);
+        calls that were waiting for a slot take the new ones."""
+        if max_workers <= self.max_workers:
+            return
+        self.max_workers = max_workers
+        self.replenish()
+        self.assign()
+
     def assign(self) -> None:
         while self.waiting and self.idle and self.busy < self.max_workers:
             call = self.waiting.popleft()

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from conftest import MARKER
 from helpers import pids_with, unique_tag
 from inspect_ai import Task, eval_async
 from inspect_ai.dataset import Sample
+from inspect_ai.event import InfoEvent
 from inspect_ai.solver import Generate, Solver, TaskState, solver
 from inspect_ai.util import SandboxEnvironment, sandbox
 from inspect_ai.util._sandbox.registry import registry_find_sandboxenv
@@ -356,3 +358,92 @@ def _remove(directory: Path) -> None:
     for leftover in directory.iterdir():
         leftover.unlink()
     directory.rmdir()
+
+
+# -- defaults an eval relies on -------------------------------------------------------------------
+
+#: Seconds each sample of the concurrency test sleeps.
+SAMPLE_SLEEP_S = 2.0
+
+
+@solver
+def _sleep_and_time() -> Solver:
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        state.metadata["started"] = time.monotonic()
+        await sandbox().exec(["sleep", str(SAMPLE_SLEEP_S)])
+        state.metadata["ended"] = time.monotonic()
+        return state
+
+    return solve
+
+
+@pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_the_pool_admits_the_evals_max_samples_and_the_log_names_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No `workers`: the eval's max_samples decides. The pool's own default here is 4, so 12
+    # samples of `sleep 2` would take three rounds (a span of 6 s, 3x the sleep) if it decided.
+    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+    config = SandbxConfig(
+        journal=str(tmp_path / "journal.jsonl"), pool_config=_pool_toml(tmp_path), view="host"
+    )
+    samples = 12
+    task = Task(
+        dataset=[Sample(input=str(n)) for n in range(samples)],
+        solver=_sleep_and_time(),
+        sandbox=("sandbx", config),
+    )
+    [log] = await eval_async(
+        task, model="mockllm/model", log_dir=str(tmp_path / "logs"), max_samples=samples
+    )
+    gc.collect()
+    assert log.status == "success", log.error
+    assert log.samples is not None
+    span = max(s.metadata["ended"] for s in log.samples) - min(
+        s.metadata["started"] for s in log.samples
+    )
+    assert span / SAMPLE_SLEEP_S < 2.0
+    for sample in log.samples:
+        named = [e.data for e in sample.events if isinstance(e, InfoEvent) and e.source == "sandbx"]
+        assert named == [{"sandbx_journal": config.journal}]
+    announced = [r for r in caplog.records if r.getMessage().startswith("sandbx: task journal")]
+    assert [r.getMessage() for r in announced] == [f"sandbx: task journal {config.journal}"]
+
+
+@solver
+def _sleep_past_the_time_limit() -> Solver:
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        await sandbox().exec(["sleep", "30"])
+        return state
+
+    return solve
+
+
+@pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_time_limit_is_the_journaled_cancel_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+    config = SandbxConfig(
+        journal=str(tmp_path / "journal.jsonl"), pool_config=_pool_toml(tmp_path), view="host"
+    )
+    task = Task(
+        dataset=[Sample(input="x")],
+        solver=_sleep_past_the_time_limit(),
+        sandbox=("sandbx", config),
+        time_limit=1,
+    )
+    [log] = await eval_async(task, model="mockllm/model", log_dir=str(tmp_path / "logs"))
+    gc.collect()
+    assert log.status == "success", log.error
+    records = _journal_records(config.journal or "")
+    intents = {r["call_id"]: r for r in records if r["kind"] == "intent"}
+    (sleep,) = [
+        r
+        for r in records
+        if r["kind"] == "outcome" and intents[r["call_id"]]["args"].get("argv") == ["sleep", "30"]
+    ]
+    assert sleep["status"] == "cancelled"
+    assert sleep["reason"] == "Inspect: the sample's time limit (1 s) was reached"

@@ -699,22 +699,46 @@ def test_cli_in_doubt(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_show_filters(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["journal", "show", str(sample), "--status", "timeout"]) == 0
+    assert main(["journal", "show", str(sample), "--status", "timeout", "--json"]) == 0
     shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["kind"], r["call_id"]) for r in shown] == [("intent", "w2"), ("outcome", "w2")]
 
-    assert main(["journal", "show", str(sample), "--tool", "write", "--status", "error"]) == 0
+    assert (
+        main(["journal", "show", str(sample), "--tool", "write", "--status", "error", "--json"])
+        == 0
+    )
     shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["call_id"] for r in shown] == ["w-big", "w-big"]
     assert shown[0]["args"]["content"]["bytes"] == 10_000
 
-    assert main(["journal", "show", str(sample), "--call", "r7"]) == 0
+    assert main(["journal", "show", str(sample), "--call", "r7", "--json"]) == 0
     shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["kind"] for r in shown] == ["intent", "outcome"]
 
-    assert main(["journal", "show", str(sample), "--status", "in_doubt"]) == 0
+    assert main(["journal", "show", str(sample), "--status", "in_doubt", "--json"]) == 0
     shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["call_id"] for r in shown] == ["b1"]
+
+
+def test_cli_show_prints_a_table_one_call_a_line(
+    sample: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["journal", "show", str(sample), "--tool", "write"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["call", "tool", "status", "seconds", "args", "detail"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert set(rows) == {"w-big", "w2"}
+    assert rows["w2"].split()[1:4] == ["write", "timeout", "3.000"]
+    assert "content=<10000 bytes sha256:" in rows["w-big"]  # summarised, not copied
+    assert all(len(line) < 250 for line in lines)
+
+    assert main(["journal", "show", str(sample), "--status", "in_doubt"]) == 0
+    (_, row) = capsys.readouterr().out.splitlines()
+    assert row.split()[:3] == ["b1", "bash", "in_doubt"]
+    assert "no outcome" in row
+
+    assert main(["journal", "show", str(sample), "--call", "nobody"]) == 0
+    assert capsys.readouterr().out == "(no matching calls)\n"
 
 
 @pytest.mark.parametrize("command", ["in-doubt", "stats", "show"])

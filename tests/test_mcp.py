@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -27,9 +28,9 @@ from mcp import Client, ClientSession, StdioServerParameters, stdio_client, type
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
-from sandbx_pool.integrations.mcp import error_text, outcome_result
+from sandbx_pool.integrations.mcp import DEFAULT_TIMEOUT_S, error_text, outcome_result
 from sandbx_pool.outcome import KilledBy, Outcome, Status
-from sandbx_pool.tool_definitions import tool_parameters
+from sandbx_pool.tool_definitions import INTEGRATION_ONLY, tool_parameters
 from sandbx_pool.workers.schemas import TOOL_ARGS, tool_schemas
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,6 +75,7 @@ class ServerSetup:
     workspace: Path
     journal: Path
     config: Path
+    flags: list[str] = field(default_factory=list)
 
     def argv(self) -> list[str]:
         return [
@@ -86,6 +88,7 @@ class ServerSetup:
             str(self.config),
             "--journal",
             str(self.journal),
+            *self.flags,
         ]
 
     def outcomes(self) -> list[dict[str, Any]]:
@@ -241,7 +244,13 @@ async def test_lists_the_seven_tools_with_the_schemas_the_pool_validates(
     for tool in listed.tools:
         schema = dict(schemas[tool.name])
         assert tool.description == schema.pop("description")
-        assert tool.input_schema == schema
+        # What a model may set, each described; integration-only fields stay in tools --json.
+        properties = tool.input_schema["properties"]
+        hidden = INTEGRATION_ONLY.get(tool.name, frozenset())
+        assert set(properties) == set(schema["properties"]) - hidden
+        assert all(properties[key] == schema["properties"][key] for key in properties)
+        assert all(value.get("description") for value in properties.values()), tool.name
+        assert not hidden & set(tool.input_schema.get("required", []))
         assert tool.annotations is not None
         assert tool.annotations.read_only_hint is (tool.name in {"read", "ls", "grep", "find"})
 
@@ -269,12 +278,15 @@ async def test_calls_each_tool(server: ServerSetup, workspace: Path) -> None:
     assert text_of(read) == "one\ndeux\n"  # a file is given to the model as itself
     assert read.structured_content is not None
     assert read.structured_content["content"] == "one\ndeux\n"
-    assert json.loads(text_of(listed)) == listed.structured_content
-    assert [e["name"] for e in json.loads(text_of(listed))["entries"]] == ["a.txt"]
-    assert json.loads(text_of(grepped))["matches"] == [
-        {"path": "notes/a.txt", "line": 2, "text": "deux"}
-    ]
-    assert json.loads(text_of(found))["paths"] == ["hello.txt", "notes/a.txt"]
+    # Plain text for the model, the value beside it for programs.
+    assert text_of(wrote) == "created 8 bytes to notes/a.txt"
+    assert text_of(edited) == "1 replacement in notes/a.txt"
+    assert text_of(listed) == "a.txt"
+    assert listed.structured_content is not None
+    assert [e["name"] for e in listed.structured_content["entries"]] == ["a.txt"]
+    assert text_of(grepped) == "notes/a.txt:2:deux"
+    assert text_of(found) == "hello.txt\nnotes/a.txt"
+    assert text_of(ran) == "out\n[stderr]\nerr\n[exit code 3]"
     assert ran.structured_content is not None
     assert ran.structured_content["exit_code"] == 3
     assert ran.structured_content["stdout"] == "out\n"
@@ -428,6 +440,82 @@ async def test_the_2026_protocol_era_lists_calls_and_cancels_too(server: ServerS
     assert echoed.structured_content["stdout"] == "still here\n"
     (killed,) = [o for o in server.outcomes() if o["status"] == "cancelled"]
     assert killed["reason"].startswith("the MCP client cancelled request")
+
+
+# -- defaults and flags ---------------------------------------------------------------------------
+
+
+async def test_every_call_has_a_deadline_by_default(server: ServerSetup) -> None:
+    # No --timeout, no calls.timeout_s: a model's `sleep 1000` must still end one day.
+    async with connect(server) as (session, _):
+        await session.call_tool("bash", {"command": "true"})
+    (outcome,) = server.outcomes()
+    intents = [
+        json.loads(line) for line in server.journal.read_text().splitlines() if '"intent"' in line
+    ]
+    assert [i["timeout_s"] for i in intents] == [DEFAULT_TIMEOUT_S]
+    assert outcome["status"] == "ok"
+
+
+async def test_timeout_flag_kills_a_call_past_it(server: ServerSetup) -> None:
+    tag = unique_tag()
+    server.flags = ["--timeout", "0.5"]
+    async with connect(server) as (session, _):
+        with anyio.fail_after(EXIT_WITHIN_S):
+            slept = await session.call_tool("bash", {"command": tagged_sleep(tag)})
+    assert slept.is_error
+    assert text_of(slept).startswith("timeout: ")
+    assert pids_with(tag) == []
+
+
+async def test_workers_flag_runs_that_many_calls_at_once(server: ServerSetup) -> None:
+    # The fixture's config says 4 workers; the flag wins. Ten `sleep 1` in parallel take about
+    # one second with ten workers, three with four: the ratio, not the clock, is asserted.
+    server.flags = ["--workers", "10"]
+    sleep_s = 1.0
+    async with connect(server) as (session, _):
+        await session.call_tool("bash", {"command": "true"})  # the pool is up and warm
+        started = time.monotonic()
+        async with anyio.create_task_group() as group:
+            for _ in range(10):
+                group.start_soon(session.call_tool, "bash", {"command": f"sleep {sleep_s}"})
+        elapsed = time.monotonic() - started
+    assert elapsed / sleep_s < 2.5
+
+
+async def test_bash_runs_an_argv_alone(server: ServerSetup) -> None:
+    async with connect(server) as (session, _):
+        ran = await session.call_tool("bash", {"argv": ["echo", "a  b"]})
+        neither = await session.call_tool("bash", {})
+    assert text_of(ran) == "a  b\n[exit code 0]"
+    assert neither.is_error
+    assert "give command" in text_of(neither)
+
+
+def test_a_missing_workspace_is_one_line_at_start(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    done = subprocess.run(
+        [sys.executable, "-m", "sandbx_pool.cli", "mcp", "--workspace", str(missing)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2
+    assert done.stderr == f"sandbx-pool mcp: --workspace {missing}: no such directory\n"
+
+
+def test_stdin_at_eof_exits_zero_quietly(workspace: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sandbx_pool.cli", "mcp", "--workspace", str(workspace)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
 
 
 # -- the server's own end -------------------------------------------------------------------------

@@ -127,3 +127,46 @@ def test_a_large_output_keeps_head_and_tail(env: SandbxEnvironment) -> None:
     assert result["output"].startswith("1\n2\n")
     assert result["output"].endswith("2999999\n3000000\n")
     assert "bytes omitted ...]" in result["output"]
+
+
+# -- LocalEnvironment's semantics, where the sandbox allows them ----------------------------------
+
+
+def make_env(workspace: Path, tmp_path: Path, **options: object) -> SandbxEnvironment:
+    return SandbxEnvironment(
+        workspace=str(workspace),
+        journal=str(tmp_path / "journal.jsonl"),
+        env={MARKER: os.environ[MARKER]},
+        **options,
+    )
+
+
+def test_the_callers_environment_passes_only_when_asked(
+    workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDBX_CALLERS_SECRET", "s3cret")
+    command = {"command": 'echo "[$SANDBX_CALLERS_SECRET]"'}
+    with make_env(workspace, tmp_path) as scrubbed:
+        assert scrubbed.execute(command)["output"] == "[]\n"
+        assert "SANDBX_CALLERS_SECRET" not in scrubbed.get_template_vars()
+    with make_env(workspace, tmp_path, pass_env=True) as passing:
+        assert passing.execute(command)["output"] == "[s3cret]\n"
+        assert passing.get_template_vars()["SANDBX_CALLERS_SECRET"] == "s3cret"
+
+
+def test_cwd_is_chosen_as_the_local_environment_does(
+    workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (workspace / "src" / "deep").mkdir()
+    monkeypatch.chdir(workspace / "src")
+    with make_env(workspace, tmp_path) as env:
+        # No cwd anywhere: the current directory, not the workspace's root.
+        assert env.execute({"command": "pwd"})["output"] == f"{workspace / 'src'}\n"
+        # A relative cwd: from the current directory, as subprocess takes it.
+        assert env.execute({"command": "pwd"}, cwd="deep")["output"] == (
+            f"{workspace / 'src' / 'deep'}\n"
+        )
+        # Outside the workspace: refused, and said so.
+        outside = env.execute({"command": "pwd"}, cwd=str(tmp_path))
+    assert outside["returncode"] == -1
+    assert "denied" in outside["exception_info"]

@@ -101,7 +101,7 @@ class GrepArgs(ToolArgs):
             "'src/**/*.ts' (from path); as ripgrep's --glob."
         ),
     ] = None
-    ignore_case: bool = False
+    ignore_case: Annotated[bool, Meta(description="Match letters in either case.")] = False
     # The bound goes on the int alone: msgspec refuses `ge` on a union with None.
     max_results: Annotated[
         Annotated[int, Meta(ge=1)] | None,
@@ -164,12 +164,14 @@ class FindArgs(ToolArgs):
 class BashArgs(ToolArgs):
     """Run a shell command with bash -c in a scrubbed environment."""
 
-    command: Annotated[str, Meta(min_length=1, description="The command line.")]
+    # Required unless argv is given (then it defaults to shlex.join(argv)): the schema cannot
+    # say "one of", so __post_init__ does.
+    command: Annotated[str, Meta(description="The command line.")] = ""
     # For integrations that hold an argv (Inspect's exec): run it without a shell. ``command``
-    # must then be shlex.join(argv), so the gate, the journal and a reader all see what runs.
+    # is then shlex.join(argv), so the gate, the journal and a reader all see what runs.
     argv: Annotated[
         list[str] | None,
-        Meta(description="Run this argv directly, no shell; command must be shlex.join(argv)."),
+        Meta(description="Run this argv directly, no shell (command: shlex.join(argv) or '')."),
     ] = None
     stdin: Annotated[str | None, Meta(description="Text for the command's stdin.")] = None
     stdin_bytes: Annotated[
@@ -187,8 +189,12 @@ class BashArgs(ToolArgs):
         if self.argv is not None:
             if not self.argv:
                 raise ValueError("argv must not be empty")
-            if self.command != shlex.join(self.argv):
+            if not self.command:
+                self.command = shlex.join(self.argv)
+            elif self.command != shlex.join(self.argv):
                 raise ValueError("command must be shlex.join(argv) when argv is given")
+        elif not self.command:
+            raise ValueError("give command (or argv)")
         if self.stdin is not None and self.stdin_bytes is not None:
             raise ValueError("give stdin or stdin_bytes, not both")
 

@@ -26,6 +26,7 @@ import sys
 from typing import TYPE_CHECKING, Final
 
 from sandbx_pool.batch.calls import BatchFile, BatchFileError, load_batch
+from sandbx_pool.cli.checks import workspace_problem
 from sandbx_pool.config import Config, load_config
 from sandbx_pool.errors import ConfigError, SandbxPoolError
 from sandbx_pool.logs import logger
@@ -138,9 +139,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             os.makedirs(args.output_dir, exist_ok=True)
         except OSError as exc:
             return _usage_error("run", f"--output-dir {args.output_dir}: {exc.strerror or exc}")
-    # No check that the workspace exists: the coordinator never touches the workspace's
-    # filesystem (a stat on a hung mount would hang the command before its first call); a
-    # missing workspace shows in the calls' outcomes instead.
+    problem = workspace_problem(args.workspace)
+    if problem is not None:
+        return _usage_error("run", problem)
     try:
         plan = _earlier_run(args.journal, resume=args.resume)
     except OSError as exc:

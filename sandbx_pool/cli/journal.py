@@ -41,6 +41,9 @@ IN_DOUBT: Final = "in_doubt"
 #: Longest argument value shown in full by ``in-doubt``.
 ARG_PREVIEW_CHARS: Final = 60
 
+#: Longest cell of ``show``'s args and detail columns (a terminal line stays readable).
+SHOW_CELL_CHARS: Final = 80
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -61,11 +64,14 @@ def add_journal_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     counts.add_argument("--json", action="store_true", help="machine-readable output")
     counts.set_defaults(func=_reading(_cmd_stats))
 
-    show = commands.add_parser("show", help="the records of matching calls, as JSON Lines")
+    show = commands.add_parser(
+        "show", help="matching calls as a table, one a line (--json: their records)"
+    )
     show.add_argument("path", metavar="PATH")
     show.add_argument("--status", help=f"an outcome status, or {IN_DOUBT} for calls without one")
     show.add_argument("--tool", help="only calls of this tool")
     show.add_argument("--call", metavar="ID", help="only this call id")
+    show.add_argument("--json", action="store_true", help="the records, as JSON Lines")
     show.set_defaults(func=_reading(_cmd_show))
 
 
@@ -176,9 +182,52 @@ def _latency_cells(value: Latency) -> list[str]:
 
 
 def _cmd_show(args: argparse.Namespace, scan: JournalScan) -> int:
-    for record in select(scan, status=args.status, tool=args.tool, call_id=args.call):
-        sys.stdout.write(encoder.encode(record).decode() + "\n")
+    records = select(scan, status=args.status, tool=args.tool, call_id=args.call)
+    if args.json:
+        for record in records:
+            sys.stdout.write(encoder.encode(record).decode() + "\n")
+    else:
+        print("\n".join(format_calls(records)))
     return 0
+
+
+def format_calls(records: list[JournalRecord]) -> list[str]:
+    """One line a call: id, tool, status, seconds, its arguments, then why it ended so."""
+    calls: dict[str, list[JournalRecord]] = {}
+    for record in records:
+        calls.setdefault(record.call_id, []).append(record)
+    rows = [["call", "tool", "status", "seconds", "args", "detail"]]
+    for call_id, parts in calls.items():
+        intent = next((r for r in parts if isinstance(r, IntentRecord)), None)
+        outcome = next((r for r in reversed(parts) if isinstance(r, OutcomeRecord)), None)
+        rows.append(
+            [
+                call_id,
+                _tool_of(parts) or "?",
+                outcome.status if outcome is not None else IN_DOUBT,
+                f"{outcome.duration_s:.3f}" if outcome is not None else "",
+                _clip(describe_args(intent.args)) if intent is not None else "",
+                _clip(_detail(outcome)),
+            ]
+        )
+    if len(rows) == 1:
+        return ["(no matching calls)"]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _detail(outcome: OutcomeRecord | None) -> str:
+    if outcome is None:
+        return "no outcome: the coordinator stopped before the call ended"
+    text = outcome.error or outcome.reason or ""
+    return " ".join(text.split())  # one line, however the message was written
+
+
+def _clip(text: str, width: int = SHOW_CELL_CHARS) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def select(

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
-from typing import Any
+from typing import Any, Final
 
+import msgspec
+
+from sandbx_pool.cli.checks import workspace_problem
 from sandbx_pool.logs import configure_logging
 from sandbx_pool.tool_definitions import STYLES, tool_definitions
-from sandbx_pool.workers.schemas import TOOL_ARGS, tool_schemas
+from sandbx_pool.workers.schemas import TOOL_ARGS, parse_args, tool_schemas
+
+#: Exit codes: ``call`` gives 0 for an ok outcome and 1 for any other; 2 is a usage, config or
+#: workspace error (one line on stderr); a signal N ends a command with 128 + N.
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
 
 
 def _parse_pairs(tool: str, pairs: list[str]) -> dict[str, Any]:
@@ -19,7 +30,7 @@ def _parse_pairs(tool: str, pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"sandbx-pool call: expected key=value, got {pair!r}")
+            raise ValueError(f"expected key=value, got {pair!r}")
         if _is_string(properties.get(key, {})):
             args[key] = value
         else:
@@ -58,8 +69,17 @@ def _cmd_call(args: argparse.Namespace) -> int:
     from sandbx_pool.pool import Pool
     from sandbx_pool.signals import Stopper, run_until_signalled
 
-    tool_args = _parse_pairs(args.tool, args.pairs)
+    try:
+        tool_args = _parse_pairs(args.tool, args.pairs)
+        parse_args(args.tool, tool_args)  # a typo in an argument is usage: no pool for it
+    except (ValueError, msgspec.ValidationError) as exc:
+        return _usage_error(f"call {args.tool}: {exc}")
     config = load_config(args.config)  # a ConfigError here exits 2 (main), before any process
+    problem = workspace_problem(args.workspace)
+    if problem is not None:
+        return _usage_error(f"call: {problem}")
+    # One call: a warmed-up template and spare workers would cost more than they save.
+    config = config.override(pool={"warm_up": False, "prefork": 0})
 
     def show(chunk: OutputChunk) -> None:
         # On our stderr, both streams: stdout stays the outcome's JSON, for programs.
@@ -74,23 +94,32 @@ def _cmd_call(args: argparse.Namespace) -> int:
             outcome = await pool.call(
                 args.tool, tool_args, timeout=args.timeout, on_output=on_output
             )
-        print(json.dumps(outcome.to_dict(), indent=2))
-        return 0
+        printed = outcome.to_dict()
+        if pool.journal is not None:
+            printed["journal"] = pool.journal.path  # where this call's record is
+        print(json.dumps(printed, indent=2))
+        # A script's `if sandbx-pool call ...` means "did it work": anything but ok is 1.
+        return EXIT_OK if outcome.status == "ok" else EXIT_FAILED
 
     return run_until_signalled(one_call)
 
 
 def _cmd_mcp(args: argparse.Namespace) -> int:
     from sandbx_pool.config import load_config
-    from sandbx_pool.errors import ConfigError
-    from sandbx_pool.integrations.mcp import run  # the MCP SDK is imported only for this command
 
+    config = load_config(args.config)  # a ConfigError here exits 2 (main)
+    config = config.override(pool={"workers": args.workers})
+    problem = workspace_problem(args.workspace)
+    if problem is not None:
+        return _usage_error(f"mcp: {problem}")
     try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"sandbx-pool mcp: {exc}", file=sys.stderr)
-        return 2
-    return run(args.workspace, config, args.journal)
+        # The MCP SDK is an extra, imported only for this command.
+        from sandbx_pool.integrations.mcp import run
+    except ImportError as exc:
+        return _usage_error(
+            f"mcp: the MCP SDK is not installed ({exc}); pip install 'sandbx-pool[mcp]'"
+        )
+    return run(args.workspace, config, args.journal, timeout=args.timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("tool", choices=sorted(TOOL_ARGS))
     call.add_argument("pairs", nargs="*", metavar="key=value")
     call.add_argument("--workspace", default=".")
-    call.add_argument("--timeout", type=float)
+    call.add_argument("--timeout", type=_positive_float, metavar="S")
     call.add_argument("--journal")
     call.add_argument("--config")
     call.add_argument(
@@ -133,12 +162,41 @@ def build_parser() -> argparse.ArgumentParser:
     mcp.add_argument("--workspace", required=True, help="directory every path is confined to")
     mcp.add_argument("--config", metavar="FILE", help="TOML settings")
     mcp.add_argument("--journal", metavar="PATH", help="journal file (default: a new one)")
+    mcp.add_argument(
+        "--workers", type=_positive_int, metavar="N", help="calls in flight at most (pool.workers)"
+    )
+    mcp.add_argument(
+        "--timeout",
+        type=_positive_float,
+        metavar="S",
+        help="deadline of every call, in seconds (default: calls.timeout_s, else 600)",
+    )
     mcp.set_defaults(func=_cmd_mcp)
 
     add_batch_parsers(commands)
     add_journal_parser(commands)
     add_doctor_parser(commands)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,16 +210,25 @@ def main(argv: list[str] | None = None) -> int:
         return _usage_error(f"--log-json {args.log_json}: {exc.strerror or exc}")
     try:
         code: int = args.func(args)
+        sys.stdout.flush()  # here, so that a reader gone away is met below
     except ConfigError as exc:
         # Bad input is one line naming the file and the key, never a traceback.
         return _usage_error(f"{args.command}: {exc}")
+    except BrokenPipeError:
+        # `sandbx-pool journal stats | head`: the reader has what it wanted. Point stdout at
+        # /dev/null so that the interpreter's own flush at exit cannot fail again, and end
+        # as a killed-by-SIGPIPE writer would.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     return code
 
 
 def _usage_error(message: str) -> int:
     """Print ``message`` on one line and return the usage exit status, 2."""
     print(f"sandbx-pool {message}".replace("\n", " "), file=sys.stderr)
-    return 2
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

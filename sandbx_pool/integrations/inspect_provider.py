@@ -37,6 +37,7 @@ and removed by workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import posixpath
@@ -55,7 +56,9 @@ from inspect_ai.util import (
 )
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import load_config
+from sandbx_pool.integrations import inspect_eval
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.pool import Pool
@@ -125,6 +128,13 @@ class _Task:
         self.settings = settings
         self.pool = pool
         self.directory = directory
+        #: Samples initialised and not yet cleaned up (inspect_eval: the pool admits as many).
+        self.samples = 0
+
+    def sample_started(self) -> None:
+        self.samples += 1
+        if self.settings.workers is None:
+            self.pool.admit(self.samples)
 
     @property
     def journal_path(self) -> str | None:
@@ -169,6 +179,8 @@ async def _open_task(settings: SandbxConfig) -> _Task:
     pool = Pool(
         settings.workspace, workers=settings.workers, journal=settings.journal, config=config
     )
+    if settings.workers is None:
+        pool.admit(inspect_eval.max_subprocesses() or 0)  # inspect_eval: why
     await pool.start()
     try:
         template = os.path.join(settings.root, f"sandbx-inspect-{os.getpid()}-XXXXXX")
@@ -179,8 +191,8 @@ async def _open_task(settings: SandbxConfig) -> _Task:
     except BaseException:
         await pool.close()
         raise
-    if settings.journal is None and pool.journal is not None:
-        logger.info("sandbx: task journal {}", pool.journal.path)
+    if pool.journal is not None:  # once per task; each sample's log names it too
+        inspect_eval.announce_journal(pool.journal.path)
     return _Task(settings, pool, directory)
 
 
@@ -227,8 +239,28 @@ async def _exec(
         args["stdin_bytes"] = bytes(input)
     if user is not None:
         args["user"] = user
-    outcome = await pool.call("bash", args, timeout=timeout, cwd=cwd, env=env, view=view)
+    outcome = await _call(pool, "bash", args, timeout=timeout, cwd=cwd, env=env, view=view)
     return _exec_result(outcome, user)
+
+
+async def _call(pool: Pool, tool: str, args: dict[str, Any], **options: Any) -> Outcome:
+    """``pool.call`` stopped with a reader's reason when Inspect cancels the sample.
+
+    The call runs in a task of its own under a token: cancelling the awaiting task directly
+    would journal anyio's message (inspect_eval says why). Cancelled, we cancel the token with
+    the reason, wait until the call's processes are dead and its outcome journaled (Inspect's
+    cancel scope cancels us again at every await meanwhile), then re-raise.
+    """
+    token = CancelToken()
+    call = asyncio.create_task(pool.call(tool, args, cancel=token, **options))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        token.cancel(inspect_eval.cancel_reason())
+        while not call.done():  # bounded by the pool's kill deadlines
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({call})
+        raise
 
 
 def _exec_result(outcome: Outcome, user: str | None) -> ExecResult[str]:
@@ -302,6 +334,9 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
             task.pool, ["mktemp", "-d", os.path.join(task.directory, "sample-XXXXXX")], cwd=root
         )
         directory = made.stdout.strip()
+        task.sample_started()
+        if task.journal_path is not None:
+            inspect_eval.record_journal(task.journal_path)
         owned = directory
         if task.settings.view == "sample":
             # The view's root, read-only in the view, traversable by a sample `user`; its own
@@ -323,6 +358,7 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
     ) -> None:
         for environment in environments.values():
             sample = environment.as_type(SandbxSandboxEnvironment)
+            sample.task.samples -= 1
             await _check(
                 sample.task.pool,
                 ["rm", "-rf", "--", sample.directory],
@@ -389,8 +425,13 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         args: dict[str, Any] = {"path": self._path(file), "content": "", "content_bytes": data}
         if self.task.settings.user is not None:
             args["user"] = self.task.settings.user
-        outcome = await self.task.pool.call(
-            "write", args, timeout=HOUSEKEEPING_TIMEOUT_S, cwd=self.workdir, view=self.view
+        outcome = await _call(
+            self.task.pool,
+            "write",
+            args,
+            timeout=HOUSEKEEPING_TIMEOUT_S,
+            cwd=self.workdir,
+            view=self.view,
         )
         if outcome.status is Status.TIMEOUT:
             raise TimeoutError(f"writing {file} timed out")
@@ -407,8 +448,13 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         args: dict[str, Any] = {"path": self._path(file), "encoding": "bytes"}
         if self.task.settings.user is not None:
             args["user"] = self.task.settings.user  # as exec and write_file: file modes hold
-        outcome = await self.task.pool.call(
-            "read", args, timeout=HOUSEKEEPING_TIMEOUT_S, cwd=self.workdir, view=self.view
+        outcome = await _call(
+            self.task.pool,
+            "read",
+            args,
+            timeout=HOUSEKEEPING_TIMEOUT_S,
+            cwd=self.workdir,
+            view=self.view,
         )
         if outcome.status is Status.TIMEOUT:
             raise TimeoutError(f"reading {file} timed out")

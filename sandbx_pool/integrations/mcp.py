@@ -1,8 +1,8 @@
 """``sandbx-pool mcp``: the seven tools as an MCP server on stdio, each call run by one Pool.
 
     MCP client --tools/call (JSON-RPC line on our stdin)--> SDK dispatcher: one task per request
-        |  ToolServer.call_tool: pool.call(tool, args, cancel=token) in its own asyncio task
-        |  ok -> text + structuredContent;  any other status -> isError with the status named
+        |  ToolServer.call_tool: pool.call(tool, args, cancel=token, timeout=T) in its own task
+        |  ok -> plain text (result_text) + structuredContent;  other -> isError, status named
         |  bash, with a progressToken: notifications/progress carrying the new output meanwhile
         v
     response line on our stdout (the SDK's stdio transport; fds 0 and 1 point elsewhere meanwhile)
@@ -33,8 +33,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import json
 import os
+import select
 import stat
 from collections.abc import AsyncIterator, Callable, Iterator
 from importlib import metadata
@@ -49,6 +49,7 @@ from mcp.shared.exceptions import MCPError
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import Config
 from sandbx_pool.errors import SandbxPoolError
+from sandbx_pool.integrations.result_text import bash_output, result_text
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.output import OutputChunk
@@ -63,6 +64,11 @@ READ_CHUNK: Final = 64 * 1024
 #: Characters of a bash call's output waiting to be sent as progress before more is dropped.
 PROGRESS_BACKLOG: Final = 256 * 1024
 
+#: Every call's deadline when neither ``--timeout`` nor the config's ``calls.timeout_s`` sets
+#: one: a model's ``sleep 1000`` must not run until the client gives up (some never do). Ten
+#: minutes covers a long build or test run.
+DEFAULT_TIMEOUT_S: Final = 600.0
+
 #: What each non-ok status means, after the status itself, in the text a model reads.
 _STATUS_TEXT: Final[dict[Status, str]] = {
     Status.ERROR: "the tool failed",
@@ -75,19 +81,20 @@ _STATUS_TEXT: Final[dict[Status, str]] = {
 _KILLED: Final = frozenset({Status.TIMEOUT, Status.OUTPUT_LIMIT, Status.CANCELLED})
 
 
-def outcome_result(outcome: Outcome) -> types.CallToolResult:
+def outcome_result(outcome: Outcome, args: dict[str, Any] | None = None) -> types.CallToolResult:
     """The MCP result for an outcome: text for the model, structured data for programs.
 
-    ``ok``: the text is the file itself for ``read`` (a model reads source better raw than as a
-    JSON string full of escaped newlines) and compact JSON of the value for the other tools,
-    whose values are small records; ``structuredContent`` is the value. Any other status is a
-    tool error (``isError``), so the model sees it and can adapt, with the status first in the
-    text and the whole outcome as ``structuredContent``. ``_meta`` carries the journal's call id.
+    ``ok``: the text is the value as a model reads it best (``result_text``: a file as it is, a
+    command's stdout, then its stderr and exit code labelled, lists as lines) and
+    ``structuredContent`` is the value itself. Any other status is a tool error (``isError``),
+    so the model sees it and can adapt, with the status first in the text (and what a killed
+    command printed until then) and the whole outcome as ``structuredContent``. ``_meta``
+    carries the journal's call id.
     """
     meta = {"sandbx-pool/call_id": outcome.call_id}
     if outcome.status is Status.OK:
         value = outcome.value or {}
-        text = _read_text(value) if outcome.tool == "read" else _json(value)
+        text = result_text(outcome.tool, value, args)
         return types.CallToolResult(
             content=[types.TextContent(text=text)], structured_content=value, _meta=meta
         )
@@ -100,7 +107,8 @@ def outcome_result(outcome: Outcome) -> types.CallToolResult:
 
 
 def error_text(outcome: Outcome) -> str:
-    """``<status>: <what happened>``, e.g. ``timeout: timed out after 5 s; ... killed``."""
+    """``<status>: <what happened>``, e.g. ``timeout: timed out after 5 s; ... killed``, then
+    what a stopped bash command printed until then."""
     detail = outcome.error or outcome.reason or _STATUS_TEXT[outcome.status]
     text = f"{outcome.status.value}: {detail}"
     if outcome.status in _KILLED:
@@ -113,26 +121,19 @@ def error_text(outcome: Outcome) -> str:
         text += (
             f" (its worker is stuck in the kernel at {outcome.wchan or '?'} and is reaped later)"
         )
+    value = outcome.value or {}
+    if outcome.tool == "bash" and (value.get("stdout") or value.get("stderr")):
+        text += "\n[output until then]\n" + bash_output(value)
     return text
-
-
-def _read_text(value: dict[str, Any]) -> str:
-    content = str(value.get("content", ""))
-    if value.get("truncated"):  # the output cap stopped it: say so where the model looks
-        lines = value.get("lines")
-        content += f"\n[truncated at the output limit after {lines} lines; read on with offset]"
-    return content
-
-
-def _json(value: dict[str, Any]) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 class ToolServer:
     """The MCP handlers over one open Pool."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.pool = pool
+        #: Every call's deadline, in seconds.
+        self.timeout = timeout
         #: Why calls still in flight are being stopped, once the server itself is ending.
         self.closing: str | None = None
         self._tools = [types.Tool.model_validate(d) for d in tool_definitions("mcp")]
@@ -172,6 +173,7 @@ class ToolServer:
             self.pool.call(
                 params.name,
                 params.arguments or {},
+                timeout=self.timeout,
                 cancel=token,
                 on_output=progress.add if progress is not None else None,
             ),
@@ -198,7 +200,7 @@ class ToolServer:
         finally:
             if progress is not None:
                 progress.stop()
-        return outcome_result(outcome)
+        return outcome_result(outcome, params.arguments)
 
 
 class _OutputProgress:
@@ -271,8 +273,7 @@ class _ClientLines(anyio.AsyncFile[str]):
         self._fd = fd
         self._on_eof = on_eof
         self._stopped = False
-        # epoll refuses regular files, whose reads never block anyway (`mcp < requests.jsonl`).
-        self._never_blocks = stat.S_ISREG(os.fstat(fd).st_mode)
+        self._never_blocks = _never_blocks(fd)
 
     def stop(self) -> None:
         """End the lines now, as if the client had closed stdin, but without ``on_eof``."""
@@ -296,6 +297,19 @@ class _ClientLines(anyio.AsyncFile[str]):
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
                 yield line.decode("utf-8", errors="replace")
+
+
+def _never_blocks(fd: int) -> bool:
+    """Whether epoll refuses ``fd``: regular files (`mcp < requests.jsonl`) and /dev/null
+    (`mcp < /dev/null`), whose reads never block anyway, so they are read without waiting."""
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return True
+    with select.epoll() as probe:
+        try:
+            probe.register(fd, select.EPOLLIN)
+        except PermissionError:
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -327,10 +341,12 @@ def _move_away(fd: int, replacement: int) -> int:
     return wire
 
 
-async def serve(stopper: Stopper, workspace: str, config: Config, journal: str | None) -> int:
+async def serve(
+    stopper: Stopper, workspace: str, config: Config, journal: str | None, call_timeout_s: float
+) -> int:
     """Serve MCP on stdin/stdout until the client closes stdin or a signal stops us."""
     pool = stopper.watch(Pool(workspace, journal=journal, config=config))
-    tools = ToolServer(pool)
+    tools = ToolServer(pool, call_timeout_s)
 
     def client_left() -> None:
         tools.closing = "MCP server shutting down: the client closed stdin"
@@ -352,10 +368,18 @@ async def serve(stopper: Stopper, workspace: str, config: Config, journal: str |
     return 0
 
 
-def run(workspace: str, config: Config, journal: str | None) -> int:
-    """The ``mcp`` command: 0 when the client closed stdin, 128 + N after signal N."""
+def run(
+    workspace: str, config: Config, journal: str | None, *, timeout: float | None = None
+) -> int:
+    """The ``mcp`` command: 0 when the client closed stdin, 128 + N after signal N.
+
+    ``timeout``: every call's deadline (default: the config's ``calls.timeout_s``, else
+    DEFAULT_TIMEOUT_S)."""
+    deadline = timeout or config.calls.timeout_s or DEFAULT_TIMEOUT_S
     try:
-        return run_until_signalled(lambda stopper: serve(stopper, workspace, config, journal))
+        return run_until_signalled(
+            lambda stopper: serve(stopper, workspace, config, journal, deadline)
+        )
     except SandbxPoolError as exc:
         logger.error("sandbx-pool mcp: {}", exc)
         return 1

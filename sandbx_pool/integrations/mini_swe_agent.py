@@ -51,7 +51,10 @@ CLOSE_TIMEOUT_S = 30.0
 class SandbxEnvironmentConfig(BaseModel):
     cwd: str = ""  # default working directory (default: the workspace)
     workspace: str = ""  # what every path is confined to (default: cwd, else the current dir)
-    env: dict[str, str] = {}  # added to each command's scrubbed environment
+    env: dict[str, str] = {}  # added to each command's environment
+    #: Commands get the caller's whole environment (os.environ, then env), as LocalEnvironment
+    #: gives them. Off by default: the scrubbed one keeps API keys from the commands.
+    pass_env: bool = False
     timeout: int = 30  # seconds, when execute() is given none
     workers: int | None = None  # parallel commands at most
     journal: str | None = None  # the journal of every command (None: a fresh one, logged)
@@ -99,9 +102,11 @@ class SandbxEnvironment:
         return output
 
     def get_template_vars(self, **kwargs: Any) -> dict[str, Any]:
-        # Not os.environ, unlike the local environment: the commands never see it either.
+        # os.environ only with pass_env, as the local environment: otherwise the commands never
+        # see it either.
+        environ = dict(os.environ) if self.config.pass_env else {}
         merged: dict[str, Any] = recursive_merge(
-            self.config.model_dump(), platform.uname()._asdict(), kwargs
+            self.config.model_dump(), platform.uname()._asdict(), environ, kwargs
         )
         return merged
 
@@ -138,14 +143,21 @@ class SandbxEnvironment:
         seconds = float(timeout or self.config.timeout)
         # Merged, as LocalEnvironment runs commands (stderr=STDOUT): one output, in order.
         args: dict[str, Any] = {"command": command, "merge_stderr": True}
-        call = self.pool.call(
-            "bash",
-            args,
-            timeout=seconds,
-            cwd=cwd or self.config.cwd or None,
-            env=self.config.env or None,
-        )
+        env = (dict(os.environ) | self.config.env) if self.config.pass_env else self.config.env
+        call = self.pool.call("bash", args, timeout=seconds, cwd=self._cwd(cwd), env=env or None)
         return self._run(call), seconds
+
+    def _cwd(self, cwd: str) -> str | None:
+        """Where a command starts, as LocalEnvironment chooses it: the call's cwd, else the
+        config's, else the current directory; a relative one from the current directory (the
+        pool would take it from the workspace). None: the workspace, when the current directory
+        is outside it (a cwd outside it, given, is refused: the outcome says so)."""
+        chosen = cwd or self.config.cwd
+        if chosen:
+            return os.path.abspath(chosen)
+        here = os.getcwd()
+        inside = os.path.commonpath([here, self.workspace]) == self.workspace
+        return here if inside else None
 
     def _execute_v2(self, command: str, cwd: str, timeout: int | None) -> dict[str, Any]:
         outcome, seconds = self._call(command, cwd, timeout)

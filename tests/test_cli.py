@@ -1,0 +1,181 @@
+"""The command line's first minutes: exit codes, one-line usage errors, the journal's path,
+default-location journals pruned, a closed pipe, ``journal show``'s table."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbx_pool.journal.prune import prune_default_journals
+
+#: Seconds a one-shot command may take on a loaded machine.
+CHILD_S = 60
+
+
+def cli(
+    *argv: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sandbx_pool.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_S,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("pairs", "status"),
+    [
+        (["path=hello.txt"], "ok"),
+        (["path=missing.txt"], "error"),
+        (["path=../outside.txt"], "denied"),
+    ],
+)
+def test_call_exits_0_for_ok_and_1_for_any_other_status(
+    workspace: Path, pairs: list[str], status: str
+) -> None:
+    result = cli("call", "read", *pairs, "--workspace", str(workspace), cwd=workspace)
+    outcome = json.loads(result.stdout)
+    assert outcome["status"] == status
+    assert result.returncode == (0 if status == "ok" else 1)
+
+
+def test_call_names_its_journal_in_the_outcome(workspace: Path, tmp_path: Path) -> None:
+    journal = tmp_path / "j.jsonl"
+    result = cli(
+        "call", "ls", "--workspace", str(workspace), "--journal", str(journal), cwd=tmp_path
+    )
+    outcome = json.loads(result.stdout)
+    assert outcome["journal"] == str(journal)
+    assert outcome["call_id"] in journal.read_text()
+
+
+def test_usage_errors_exit_2_on_one_line_before_any_pool(workspace: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    bad_workspace = cli("call", "ls", "--workspace", str(missing), cwd=tmp_path)
+    assert bad_workspace.returncode == 2
+    assert one_line(bad_workspace) == f"sandbx-pool call: --workspace {missing}: no such directory"
+
+    a_file = workspace / "hello.txt"
+    not_a_dir = cli("call", "ls", "--workspace", str(a_file), cwd=tmp_path)
+    assert not_a_dir.returncode == 2
+    assert "not a directory" in one_line(not_a_dir)
+
+    typo = cli("call", "read", "pth=hello.txt", "--workspace", str(workspace), cwd=tmp_path)
+    assert typo.returncode == 2
+    assert "pth" in one_line(typo)
+    assert typo.stdout == ""
+
+    no_equals = cli("call", "read", "hello.txt", "--workspace", str(workspace), cwd=tmp_path)
+    assert no_equals.returncode == 2
+    assert "key=value" in one_line(no_equals)
+
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text('{"tool": "ls", "args": {}}\n')
+    run = cli("run", str(calls), "--workspace", str(missing), cwd=tmp_path)
+    assert run.returncode == 2
+    assert one_line(run) == f"sandbx-pool run: --workspace {missing}: no such directory"
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    journal = tmp_path / "big.jsonl"
+    record = {"kind": "intent", "call_id": "c", "time": 1.0, "tool": "read", "args": {}, "cwd": "."}
+    with journal.open("w") as f:
+        for n in range(20_000):  # far more than a pipe holds
+            f.write(json.dumps({**record, "call_id": f"c{n}"}) + "\n")
+    reader_gone = subprocess.run(
+        f"{sys.executable} -m sandbx_pool.cli journal show {journal} | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_S,
+        cwd=tmp_path,
+    )
+    assert reader_gone.stdout.startswith("call")
+    assert reader_gone.stderr == ""
+
+
+# -- pruning the default location ----------------------------------------------------------------
+
+
+def make_journal(directory: Path, name: str, age_days: float, *, now: float) -> Path:
+    path = directory / f"{name}.jsonl"
+    path.write_text("")
+    (directory / f"{name}.jsonl.lock").write_text("")
+    stamp = now - age_days * 86400
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def test_prune_removes_old_journals_and_the_oldest_beyond_the_count(tmp_path: Path) -> None:
+    now = time.time()
+    fresh = [make_journal(tmp_path, f"fresh{n}", n / 10, now=now) for n in range(5)]
+    old = make_journal(tmp_path, "old", 8, now=now)
+    removed = prune_default_journals(str(tmp_path), keep_days=7, keep_count=3, now=now)
+    assert sorted(removed) == sorted(str(p) for p in [old, fresh[3], fresh[4]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        name for p in fresh[:3] for name in (p.name, p.name + ".lock")
+    )
+
+
+def test_prune_never_removes_a_journal_being_written(tmp_path: Path) -> None:
+    now = time.time()
+    live = make_journal(tmp_path, "live", 30, now=now)
+    fd = os.open(f"{live}.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a coordinator holds it
+        assert prune_default_journals(str(tmp_path), keep_days=7, keep_count=1, now=now) == []
+    finally:
+        os.close(fd)
+    assert live.exists()
+
+
+def test_one_shot_calls_do_not_pile_up_journals(workspace: Path, tmp_path: Path) -> None:
+    # A short runtime directory: the pool's socket path must fit in sockaddr_un.
+    with tempfile.TemporaryDirectory(prefix="rt") as short:
+        one_shot_calls(Path(short), workspace, tmp_path)
+
+
+def one_shot_calls(runtime: Path, workspace: Path, tmp_path: Path) -> None:
+    journals = runtime / "sandbx-pool" / "journals"
+    journals.mkdir(parents=True, mode=0o700)
+    os.chmod(runtime / "sandbx-pool", 0o700)
+    now = time.time()
+    stale = make_journal(journals, "stale", 10, now=now)
+    config = tmp_path / "keep2.toml"
+    config.write_text("[journal]\ndefault_keep_count = 2\n")
+    env = {"XDG_RUNTIME_DIR": str(runtime)}
+    for _ in range(4):
+        done = cli(
+            "call",
+            "ls",
+            "--workspace",
+            str(workspace),
+            "--config",
+            str(config),
+            cwd=workspace,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr
+    left = sorted(p.name for p in journals.glob("*.jsonl"))
+    assert not stale.exists()
+    # Each run prunes before it makes its own: two kept, then the new one.
+    assert len(left) == 3
+    assert json.loads(done.stdout)["journal"] in {str(journals / name) for name in left}
