@@ -26,6 +26,7 @@ import sys
 from typing import TYPE_CHECKING, Final
 
 from sandbx_pool.batch.calls import BatchFile, BatchFileError, load_batch
+from sandbx_pool.cli.arguments import positive_int
 from sandbx_pool.cli.checks import workspace_problem
 from sandbx_pool.config import Config, load_config
 from sandbx_pool.errors import ConfigError, SandbxPoolError
@@ -55,7 +56,7 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     )
     run.add_argument("calls", metavar="CALLS.jsonl")
     run.add_argument("--workspace", default=".", help="directory every path is confined to")
-    run.add_argument("--parallel", type=_positive_int, metavar="N", help="calls in flight at most")
+    run.add_argument("--parallel", type=positive_int, metavar="N", help="calls in flight at most")
     run.add_argument("--journal", metavar="PATH", help="journal file (default: a new one)")
     run.add_argument(
         "--resume",
@@ -87,16 +88,6 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     demo.add_argument("--journal", metavar="PATH", help="journal file (default: a new one)")
     demo.add_argument("--config", metavar="FILE", help="TOML settings")
     demo.set_defaults(func=_cmd_demo)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def effective_config(args: argparse.Namespace) -> Config:

@@ -11,6 +11,7 @@ from typing import Any, Final
 
 import msgspec
 
+from sandbx_pool.cli.arguments import positive_float, positive_int
 from sandbx_pool.cli.checks import workspace_problem
 from sandbx_pool.logs import configure_logging
 from sandbx_pool.tool_definitions import STYLES, tool_definitions
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("tool", choices=sorted(TOOL_ARGS))
     call.add_argument("pairs", nargs="*", metavar="key=value")
     call.add_argument("--workspace", default=".")
-    call.add_argument("--timeout", type=_positive_float, metavar="S")
+    call.add_argument("--timeout", type=positive_float, metavar="S")
     call.add_argument("--journal")
     call.add_argument("--config")
     call.add_argument(
@@ -163,11 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     mcp.add_argument("--config", metavar="FILE", help="TOML settings")
     mcp.add_argument("--journal", metavar="PATH", help="journal file (default: a new one)")
     mcp.add_argument(
-        "--workers", type=_positive_int, metavar="N", help="calls in flight at most (pool.workers)"
+        "--workers", type=positive_int, metavar="N", help="calls in flight at most (pool.workers)"
     )
     mcp.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         metavar="S",
         help="deadline of every call, in seconds (default: calls.timeout_s, else 600)",
     )
@@ -177,26 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_journal_parser(commands)
     add_doctor_parser(commands)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
