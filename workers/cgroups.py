@@ -138,6 +138,10 @@ def remove_cgroup(path: str, timeout_s: float = 1.0) -> bool:
         pause = min(pause * 2, 0.05)
 
 
+#: The leaf of a pool's cgroup where idle workers wait (PoolCgroup.idle_path).
+IDLE = "idle"
+
+
 @dataclass(frozen=True)
 class PoolCgroup:
     """The template's pool of worker cgroups."""
@@ -147,6 +151,13 @@ class PoolCgroup:
 
     def worker_path(self, name: str) -> str:
         return f"{self.path}/{name}"
+
+    @property
+    def idle_path(self) -> str:
+        """Where forked workers wait for their call: out of the template's cgroup (whose
+        pids.max is the template's own), in one cgroup for all, joined with one write. Only a
+        worker whose call runs programs makes a cgroup of its own (``enter``), at call time."""
+        return f"{self.path}/{IDLE}"
 
     def end_worker(self, name: str) -> bool:
         """Once the worker is reaped: kill what it left, remove its cgroup (one try). False if
@@ -168,12 +179,17 @@ class PoolCgroup:
         return remove_cgroup(self.path, timeout_s)
 
 
-def enter(path: str) -> None:
-    """In a just-forked worker, before it runs anything of a call: make ``path``, join it. Its
-    pids.max stays "max" until cap() (the call's limit is known when the call comes)."""
-    os.mkdir(path)
+def join(path: str) -> None:
+    """Move this process into the cgroup ``path``."""
     # "0" is the writer. cgroup.procs moves the whole thread group (v1's tasks, one thread).
     _write(f"{path}/cgroup.procs", "0")
+
+
+def enter(path: str) -> None:
+    """In a worker whose call runs programs, before it starts any: make ``path``, join it. Its
+    pids.max stays "max" until cap()."""
+    os.mkdir(path)
+    join(path)
 
 
 def cap(path: str, processes: int | None) -> None:
@@ -206,6 +222,7 @@ class PidsHierarchy:
                 _write(f"{path}/cgroup.subtree_control", "+pids")
             os.mkdir(f"{path}/template")
             _write(f"{path}/template/cgroup.procs", "0")
+            os.mkdir(f"{path}/{IDLE}")
         except OSError:
             remove_cgroup(path)
             raise

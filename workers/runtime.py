@@ -1,7 +1,7 @@
 """The life of one worker, from the moment the template forked it: one call, then exit.
 
-    (join its pids cgroup: workers.template) -> rehearse -> prepare the confinement
-    -> connect DEALER -> send Ready -> receive Call -> cap its processes (pids.max)
+    rehearse -> prepare the confinement -> connect DEALER -> send Ready -> receive Call
+    -> bash: join its pids cgroup and cap its processes (pids.max)
     -> confine (workers.sandbox) -> apply limits
     -> run the tool (bash: Output messages as it prints, when the call streams)
     -> kill whatever the tool left running -> send Result -> exit
@@ -200,7 +200,9 @@ def rehearse_call() -> None:
 
 
 def _cap_processes(path: str, processes: int) -> None:
+    """Join the worker's pids cgroup and set the call's limit on it."""
     try:
+        cgroups.enter(path)
         cgroups.cap(path, processes)
     except OSError as exc:
         raise sandbox.SandboxError(f"cannot apply the process limit ({processes}): {exc}") from exc
@@ -274,9 +276,11 @@ def serve(
     processes = call.context.limits.processes
     confinement = None
     try:
-        if pids_cgroup is not None and processes is not None:
+        if runs_programs and pids_cgroup is not None and processes is not None:
             # Before confine(): from then on the worker may not write to cgroupfs (Landlock
-            # grants /sys read-only), and neither may anything the tool starts.
+            # grants /sys read-only), and neither may anything the tool starts. Only a tool
+            # that runs programs can fork: the others never join a cgroup at all (~0.3 ms of
+            # a read's CPU each, measured).
             _cap_processes(pids_cgroup, processes)
         confinement = sandbox.confine(call, prepared, runs_programs=runs_programs)
     except sandbox.SandboxError as exc:

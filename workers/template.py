@@ -82,8 +82,9 @@ COLLECT_EVERY_FORKS = 1024
 #: still exiting (or are stuck in the kernel) when it first tried.
 CGROUP_RETRY_S = 0.25
 
-#: Exit status of a worker that could not join its pids cgroup (it runs no call uncapped).
+#: Exit status of a worker that could not leave the template's cgroup.
 EXIT_NO_CGROUP = 71
+
 
 #: Set to "subreaper" in the template's environment to use the subreaper fallback even where
 #: PID namespaces are available.
@@ -245,13 +246,14 @@ class Template:
                 containment.set_child_subreaper()
             cgroup_path = None
             if self.pids_cgroup is not None:
-                # Before Ready, so before any call: off the call's clock, and nothing of the
-                # call runs outside it.
+                # Out of the template's cgroup at once (its pids.max is the template's), into
+                # the idle workers' one: a single write. A cgroup of its own, only if its call
+                # runs programs (runtime.serve): a file tool starts nothing.
                 cgroup_path = self.pids_cgroup.worker_path(cgroup)
                 try:
-                    cgroups.enter(cgroup_path)
+                    cgroups.join(self.pids_cgroup.idle_path)
                 except OSError as exc:
-                    print(f"worker cannot join its pids cgroup: {exc}", file=sys.stderr)
+                    print(f"worker cannot join the idle cgroup: {exc}", file=sys.stderr)
                     os._exit(EXIT_NO_CGROUP)
             runtime.serve(
                 token, self.endpoint, self.own_pidfd, self.file_rules, pids_cgroup=cgroup_path
