@@ -118,3 +118,17 @@ async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
     config = marked_config(pool={"workers": 4})
     async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
         yield p
+
+
+@pytest.fixture(params=["pidns", "subreaper"])
+def containment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of ending what a worker leaves: its PID namespace, or (subreaper) the template
+    sweeping orphans and killing what is left in the worker's cgroup."""
+    from sandbx_pool.workers.template import CONTAINMENT_ENV
+
+    mode: str = request.param
+    if mode == "subreaper":
+        monkeypatch.setenv(CONTAINMENT_ENV, "subreaper")
+    else:
+        monkeypatch.delenv(CONTAINMENT_ENV, raising=False)
+    return mode

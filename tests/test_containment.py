@@ -28,7 +28,6 @@ from helpers import fifo_has_reader, pids_with, unique_tag, wait_until, wait_unt
 from sandbx_pool import CancelToken, KilledBy, Pool, PoolClosed, Status
 from sandbx_pool.workers.procfs import children
 from sandbx_pool.workers.protocol import FromTemplate, Spawned
-from sandbx_pool.workers.template import CONTAINMENT_ENV
 
 #: Ways a command leaves its process group. Each runs a sleep whose argv[0] is the tag.
 ESCAPES = (
@@ -55,16 +54,6 @@ def alive(pid: int) -> bool:
 def uptime() -> float:
     with open("/proc/uptime") as f:
         return float(f.read().split()[0])
-
-
-@pytest.fixture(params=["pidns", "subreaper"])
-def containment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    mode: str = request.param
-    if mode == "subreaper":
-        monkeypatch.setenv(CONTAINMENT_ENV, "subreaper")
-    else:
-        monkeypatch.delenv(CONTAINMENT_ENV, raising=False)
-    return mode
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from helpers import wait_until
 from sandbx_pool import Pool, Status
 from sandbx_pool.workers import cgroups
 from sandbx_pool.workers.protocol import Limits
-from sandbx_pool.workers.template import CONTAINMENT_ENV
 
 #: Room for this test process (its threads), the template, a few workers and a capped bomb.
 GUARD_PIDS = 400
@@ -76,18 +75,6 @@ def guard() -> Iterator[str]:
         _write(f"{hierarchy.origin}/cgroup.procs", str(os.getpid()))
         cgroups.kill_cgroup(path)
         assert cgroups.remove_cgroup(path, timeout_s=5)
-
-
-@pytest.fixture(params=["pidns", "subreaper"])
-def containment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways of ending what a worker leaves: its PID namespace, or (subreaper) the template
-    killing what is left in the worker's cgroup."""
-    mode: str = request.param
-    if mode == "subreaper":
-        monkeypatch.setenv(CONTAINMENT_ENV, "subreaper")
-    else:
-        monkeypatch.delenv(CONTAINMENT_ENV, raising=False)
-    return mode
 
 
 @pytest.fixture
