@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -132,3 +133,14 @@ def containment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     else:
         monkeypatch.delenv(CONTAINMENT_ENV, raising=False)
     return mode
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Command-line processes a test starts; killed and reaped at its end, whatever happened."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

@@ -188,16 +188,6 @@ APPENDS = 12
 PARALLEL = 4
 
 
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
 def append_calls(path: Path) -> Path:
     """Calls that each append their number to ``log`` once, then wait until ``fast`` exists."""
     lines = [
@@ -218,10 +208,8 @@ def appended(ws: Path) -> Counter[str]:
     return Counter(log.read_text().split()) if log.exists() else Counter()
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])
-def test_resume_never_runs_an_append_twice(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]], stop: signal.Signals
-) -> None:
+def append_batch(tmp_path: Path) -> tuple[Path, Path, list[str]]:
+    """A workspace, a journal, and ``sandbx-pool run`` arguments for the batch of appends."""
     ws = tmp_path / "ws"
     ws.mkdir()
     calls = append_calls(tmp_path / "calls.jsonl")
@@ -229,6 +217,14 @@ def test_resume_never_runs_an_append_twice(
     config = marked_toml(tmp_path / "marked.toml")
     argv = ["run", str(calls), "--workspace", str(ws), "--parallel", str(PARALLEL)]
     argv += ["--journal", str(journal), "--config", str(config)]
+    return ws, journal, argv
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])
+def test_resume_never_runs_an_append_twice(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], stop: signal.Signals
+) -> None:
+    ws, journal, argv = append_batch(tmp_path)
 
     first = start_cli(argv, tmp_path / "first")
     processes.append(first)
@@ -266,13 +262,7 @@ def test_resume_never_runs_an_append_twice(
 def test_a_completing_resume_leaves_nothing_in_doubt(
     tmp_path: Path, processes: list[subprocess.Popen[bytes]]
 ) -> None:
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    calls = append_calls(tmp_path / "calls.jsonl")
-    journal = tmp_path / "journal.jsonl"
-    config = marked_toml(tmp_path / "marked.toml")
-    argv = ["run", str(calls), "--workspace", str(ws), "--parallel", str(PARALLEL)]
-    argv += ["--journal", str(journal), "--config", str(config)]
+    ws, journal, argv = append_batch(tmp_path)
     first = start_cli(argv, tmp_path / "first")
     processes.append(first)
     wait_until(lambda: count_in(journal, b'"kind":"started"') >= PARALLEL, "started", first)
