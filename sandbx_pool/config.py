@@ -46,8 +46,9 @@ class PoolSettings(_Section):
     workers: Annotated[int, Meta(ge=1)] | None = None
     prefork: Annotated[int, Meta(ge=0)] | None = None
     close_timeout_s: Annotated[float, Meta(gt=0)] = 5.0
-    #: The template rehearses a worker's path and makes its objects immortal before its first
-    #: fork (less CPU and memory per call, about 0.2 s more at start); the one-shot ``call``
+    #: The template rehearses a worker's path, makes its objects immortal and prebuilds the file
+    #: tools' Landlock rules before its first fork, and each worker rehearses its call while
+    #: idle (less CPU and memory per call, about 0.2 s more at start); the one-shot ``call``
     #: command turns it off.
     warm_up: bool = True
 

@@ -207,7 +207,10 @@ class Pool:
             self._remains.sockets.append(self._template.socket)
             self._remains.reader_fds.append(self._template.socket.fileno())
             await self._template.start()
-            self._template.prebuild_file_rules(self.workspace, self._sandbox)
+            if self.config.pool.warm_up:
+                # Not for a pool that expects a call or two: building the rules once costs the
+                # template a helper process before its first fork, what a worker saves.
+                self._template.prebuild_file_rules(self.workspace, self._sandbox)
         except BaseException:
             await self._teardown()
             raise

@@ -32,15 +32,7 @@ from typing import Any
 
 import zmq
 
-
-class Launch:
-    """The template process as its thread sees it: started, stopped, or failed to start."""
-
-    def __init__(self) -> None:
-        self.process: subprocess.Popen[bytes] | None = None
-        self.error: BaseException | None = None
-        self.started = threading.Event()
-        self.stop = threading.Event()
+from sandbx_pool.template_launch import Launch
 
 
 class Remains:

@@ -1,28 +1,24 @@
 """The coordinator's handle on the template process that forks the workers.
 
-PR_SET_PDEATHSIG fires when the *thread* that forked a process exits, not when its process
-does. The template arms it (so it dies with us, even on SIGKILL), so it must be started from a
-thread that lives exactly as long as the pool: an executor thread is retired after its idle
-keep-alive and would take the template, and every worker, with it. ``TemplateProcess`` owns
-such a thread. Messages travel over a SOCK_SEQPACKET socketpair read on the event loop.
+The process itself is started by ``sandbx_pool.template_launch`` (possibly before this pool
+existed: the one-shot command line launches it first thing); this is the pool's side of it.
+Messages travel over a SOCK_SEQPACKET socketpair read on the event loop; the first one we send
+says where workers connect (``Attach``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import resource
 import socket
-import subprocess
-import threading
 from collections.abc import Callable
 
 from sandbx_pool.errors import TemplateLost
-from sandbx_pool.interpreter import CHILD_CWD, python_command
 from sandbx_pool.logs import logger
 from sandbx_pool.remains import Launch, weakly
+from sandbx_pool.template_launch import TemplateLaunch, take_prelaunched
 from sandbx_pool.workers.protocol import (
+    Attach,
     FromTemplate,
     PrebuildFileRules,
     Sandbox,
@@ -50,24 +46,12 @@ class TemplateProcess:
         self._endpoint = endpoint
         self._on_message = on_message
         self._on_lost = on_lost
-        self._sock, self._child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # One the command line started for us, if any; else ours, started now.
+        self._process = take_prelaunched(warm_up=warm_up) or TemplateLaunch(
+            warm_up=warm_up, nofile=nofile
+        )
+        self._sock = self._process.socket
         self._sock.setblocking(False)
-        #: What the thread shares with us; it holds nothing of ours, so that a pool dropped
-        #: without close() can be collected (see remains.py).
-        self.launch = Launch()
-        command = python_command(
-            "sandbx_pool.workers.template",
-            f"--control-fd={self._child_sock.fileno()}",
-            f"--endpoint={self._endpoint}",
-            f"--parent-pid={os.getpid()}",
-            f"--warm-up={'full' if warm_up else 'light'}",
-        )
-        self._thread = threading.Thread(
-            target=_keep_template,
-            args=(command, self._child_sock, self.launch, nofile),
-            name="sandbx-template",
-            daemon=True,
-        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[TemplateReady] | None = None
         self.pid: int | None = None
@@ -80,12 +64,21 @@ class TemplateProcess:
         self._pending_spawns = 0
         self._spawn_scheduled = False
 
+    @property
+    def launch(self) -> Launch:
+        """What the template's thread shares (for the pool's finalizer)."""
+        return self._process.launch
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self._loop.add_reader(self._sock.fileno(), weakly(self._on_readable))
-        self._thread.start()
-        await asyncio.to_thread(self.launch.started.wait)
+        # Queued until the template reads it, once ready: a stream of messages, so it comes
+        # before any PrebuildFileRules or Spawn.
+        with contextlib.suppress(OSError):  # a template gone already: its EOF reports it
+            self._sock.send(encoder.encode(Attach(endpoint=self._endpoint)))
+        if not self.launch.started.is_set():
+            await asyncio.to_thread(self.launch.started.wait)
         if self.launch.error is not None:
             self._loop.remove_reader(self._sock.fileno())
             raise TemplateLost(f"cannot start the worker template: {self.launch.error}")
@@ -188,46 +181,4 @@ class TemplateProcess:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(self._sock.fileno())
                 self._loop.remove_writer(self._sock.fileno())
-        self.launch.stop.set()
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join, 10)
-        self._sock.close()
-
-
-def _keep_template(
-    command: list[str],
-    child_sock: socket.socket,
-    launch: Launch,
-    nofile: tuple[int, int] | None,
-) -> None:
-    """The template's thread: start it, then live as long as the pool (its PDEATHSIG is tied
-    to this thread), then reap it. A function, not a method: a running thread is a root for
-    the collector, and must not keep the pool alive.
-
-    ``nofile``: the RLIMIT_NOFILE the template gets (the one we had before raising ours). Set
-    from here, not by a preexec_fn (unsafe in a process with threads); it is in force before
-    the template forks its first worker, which it does only when we ask, after it is ready."""
-    try:
-        launch.process = subprocess.Popen(
-            command,
-            pass_fds=[child_sock.fileno()],
-            stdin=subprocess.DEVNULL,
-            cwd=CHILD_CWD,
-            # Own session: a Ctrl-C at our terminal reaches us, and we stop calls in order.
-            start_new_session=True,
-        )
-        if nofile is not None:
-            with contextlib.suppress(OSError):  # gone already: its start fails on its own
-                resource.prlimit(launch.process.pid, resource.RLIMIT_NOFILE, nofile)
-    except BaseException as exc:
-        launch.error = exc
-    finally:
-        child_sock.close()
-        launch.started.set()
-    launch.stop.wait()
-    if launch.process is not None:
-        try:
-            launch.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            launch.process.kill()
-            launch.process.wait()
+        await asyncio.to_thread(self._process.stop)

@@ -146,6 +146,13 @@ CoordinatorMessage = Call
 # -- coordinator <-> template ----------------------------------------------------------------
 
 
+class Attach(Message, tag="attach"):
+    """Where workers connect: the coordinator's first message (the template may be started
+    before the pool's directories exist, sandbx_pool.template_launch)."""
+
+    endpoint: str
+
+
 class Spawn(Message, tag="spawn"):
     count: int
 
@@ -190,7 +197,7 @@ class TemplateReady(Message, tag="template_ready"):
     process_limit_why: str | None = None
 
 
-ToTemplate = Spawn | Shutdown | PrebuildFileRules
+ToTemplate = Attach | Spawn | Shutdown | PrebuildFileRules
 FromTemplate = Spawned | Exited | SpawnFailed | TemplateReady
 
 encoder = msgspec.msgpack.Encoder()

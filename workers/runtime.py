@@ -230,6 +230,7 @@ def serve(
     file_rules: FileRules | None = None,
     *,
     pids_cgroup: str | None = None,
+    rehearse: bool = True,
 ) -> None:
     """Connect, take one call, answer it, exit.
 
@@ -238,7 +239,8 @@ def serve(
     call that can never come. ``file_rules`` is the file tools' Landlock ruleset, built once by
     the template (workers.rules). ``pids_cgroup``: the cgroup this worker has joined, whose
     pids.max the call's ``Limits.processes`` sets (None: no pids controller is writable here,
-    and the limit is not enforced; ``sandbx-pool doctor`` says so).
+    and the limit is not enforced; ``sandbx-pool doctor`` says so). ``rehearse``: walk the
+    call's path once before connecting (False for a light template's workers: see there).
     """
     # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it,
     # let the command end, and answer with its output so far (workers.stopping). Python
@@ -250,8 +252,9 @@ def serve(
     gc.disable()
     # Both before connecting: the rehearsal's and the ruleset's copy-on-write faults are paid
     # while idle, and a connection is only made once the worker can take a call at once.
-    rehearse_call()
-    prepared = sandbox.prepare(file_rules)
+    if rehearse:
+        rehearse_call()
+    prepared = sandbox.prepare(file_rules, with_rehearsal=rehearse)
     try:
         connection = zmtp.connect(
             endpoint, token.encode(), max_message_bytes=MAX_MESSAGE_BYTES, timeout_s=PEER_TIMEOUT_S

@@ -101,7 +101,7 @@ class Confinement:
             remove_tree(self.tmpdir)
 
 
-def prepare(file_rules: FileRules | None = None) -> Prepared:
+def prepare(file_rules: FileRules | None = None, *, with_rehearsal: bool = True) -> Prepared:
     """Build what every call's confinement shares, so that the call does not wait for it.
 
     With ``file_rules`` (the template's, workers.rules) a file tool's domain is ready as it
@@ -109,7 +109,8 @@ def prepare(file_rules: FileRules | None = None) -> Prepared:
     /proc), builds its own from the fixed rules when it comes.
     """
     preloaded = preload()
-    rehearse()
+    if with_rehearsal:
+        rehearse()
     if landlock.abi_version() == 0:
         return Prepared(None, preloaded.last_cap)
     if file_rules is not None:

@@ -1,6 +1,6 @@
 """The template process ("zygote"): preloads everything, then forks one worker per call.
 
-Started by the coordinator (``python -m workers.template``) from a thread that lives as long as
+Started by the coordinator (sandbx_pool.template_launch) from a thread that lives as long as
 the pool. It stays single-threaded (no libzmq here: a context starts I/O threads, and forking
 a threaded process is unsafe; workers speak ZMTP themselves, workers.zmtp), so each worker is
 a cheap fork of an interpreter that has already imported the runtime and every tool.
@@ -53,6 +53,7 @@ from sandbx_pool.workers import (
 )
 from sandbx_pool.workers.procfs import children
 from sandbx_pool.workers.protocol import (
+    Attach,
     Exited,
     PrebuildFileRules,
     Result,
@@ -92,9 +93,13 @@ CONTAINMENT_ENV = "SANDBX_POOL_CONTAINMENT"
 
 
 class Template:
-    def __init__(self, control: socket.socket, endpoint: str) -> None:
+    def __init__(self, control: socket.socket, *, rehearsed: bool = True) -> None:
         self.control = control
-        self.endpoint = endpoint
+        #: Whether warm_up rehearsed a worker's path (full): then each worker rehearses its own
+        #: while idle too; a light template's workers (one-shot pools) go straight to their call.
+        self.rehearsed = rehearsed
+        #: Where workers connect: the coordinator's Attach says, first thing.
+        self.endpoint: str | None = None
         self.workers: set[int] = set()
         # CONTAINMENT_ENV (tests, or a host whose namespaces misbehave) skips the probe, so the
         # fallback is exercised deterministically even where namespaces are permitted.
@@ -167,6 +172,9 @@ class Template:
         message = to_template_decoder.decode(data)
         if isinstance(message, Shutdown):
             return False
+        if isinstance(message, Attach):
+            self.endpoint = message.endpoint
+            return True
         if isinstance(message, PrebuildFileRules):
             if self.file_rules is not None:
                 self.file_rules.close()
@@ -174,6 +182,9 @@ class Template:
             self.file_rules = rules.build_file_rules(message.workspace, message.sandbox, timeout_s)
             return True
         assert isinstance(message, Spawn)
+        if self.endpoint is None:  # the coordinator's bug, not a reason to die
+            self.send(SpawnFailed(count=message.count, error="Spawn before Attach"))
+            return True
         for done in range(message.count):
             try:
                 self.fork_worker()
@@ -255,8 +266,14 @@ class Template:
                 except OSError as exc:
                     print(f"worker cannot join the idle cgroup: {exc}", file=sys.stderr)
                     os._exit(EXIT_NO_CGROUP)
+            assert self.endpoint is not None  # on_control forks only once Attach came
             runtime.serve(
-                token, self.endpoint, self.own_pidfd, self.file_rules, pids_cgroup=cgroup_path
+                token,
+                self.endpoint,
+                self.own_pidfd,
+                self.file_rules,
+                pids_cgroup=cgroup_path,
+                rehearse=self.rehearsed,
             )
         except BaseException:
             # Nobody else can report a worker that broke before it could connect. Whatever
@@ -412,8 +429,8 @@ def warm_up(*, full: bool = True) -> None:
     gc.disable()
 
 
-#: The flags sandbx_pool.template passes, each as ``--name=value``.
-OPTIONS = ("control-fd", "endpoint", "parent-pid", "warm-up")
+#: The flags sandbx_pool.template_launch passes, each as ``--name=value``.
+OPTIONS = ("control-fd", "parent-pid", "warm-up")
 
 
 def parse_options(argv: list[str]) -> dict[str, str]:
@@ -430,6 +447,7 @@ def parse_options(argv: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Serve until told to stop; returns only when the start is refused (else exits)."""
     options = parse_options(sys.argv[1:] if argv is None else argv)
     # SIGTERM, not SIGKILL: when the coordinator dies we must outlive it by a moment, to kill
     # the workers and (subreaper mode) sweep what they leave; dying at once would hand those
@@ -439,10 +457,16 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != int(options["parent-pid"]):  # the coordinator died before PDEATHSIG
         return 1
     containment.set_child_subreaper()
-    warm_up(full=options["warm-up"] == "full")
+    full = options["warm-up"] == "full"
+    warm_up(full=full)
     control = socket.socket(fileno=int(options["control-fd"]))
-    Template(control, options["endpoint"]).run()
-    return 0
+    Template(control, rehearsed=full).run()
+    # Every worker is reaped and reported, and the pool's close waits for our exit: the
+    # interpreter's teardown (freeing every object, ~30 ms, measured with strace) would only
+    # delay it. Nothing is buffered but what stderr holds.
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
