@@ -366,11 +366,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_doctor_parser(commands: Any) -> None:
-    doctor = commands.add_parser("doctor", help="show which protections this machine enforces")
-    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
-    doctor.set_defaults(func=run)
-
-
 if __name__ == "__main__" and sys.argv[1:] == ["--child-probes"]:
     print(json.dumps(_child_probes()))

@@ -7,15 +7,16 @@ import json
 import os
 import signal
 import sys
-from typing import Any, Final
-
-import msgspec
+import types
+import typing
+from typing import Any, Final, NoReturn
 
 from sandbx_pool.cli.arguments import positive_float, positive_int
 from sandbx_pool.cli.checks import workspace_problem
-from sandbx_pool.logs import configure_logging
-from sandbx_pool.tool_definitions import STYLES, tool_definitions
-from sandbx_pool.workers.schemas import TOOL_ARGS, parse_args, tool_schemas
+from sandbx_pool.template_launch import discard_prelaunched, prelaunch
+
+# Nothing heavier at the top: a one-shot `call` starts its template before these load
+# (main), and each command imports what it needs.
 
 #: Exit codes: ``call`` gives 0 for an ok outcome and 1 for any other; 2 is a usage, config or
 #: workspace error (one line on stderr); a signal N ends a command with 128 + N.
@@ -23,16 +24,29 @@ EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
 
+#: ``call``'s ``[pool] warm_up``, whatever the config says: see _cmd_call.
+_CALL_WARM_UP: Final = False
+
 
 def _parse_pairs(tool: str, pairs: list[str]) -> dict[str, Any]:
-    """``key=value`` arguments; a value is JSON unless the schema says the key is a string."""
-    properties = tool_schemas().get(tool, {}).get("properties", {})
+    """``key=value`` arguments; a value is JSON unless the tool's field of that name is a string."""
+    import msgspec
+
+    from sandbx_pool.workers.schemas import TOOL_ARGS
+
+    # The fields' types, not tool_schemas(): building every tool's JSON Schema costs a one-shot
+    # call about 12 ms.
+    strings = {
+        field.encode_name
+        for field in msgspec.structs.fields(TOOL_ARGS[tool])
+        if _is_string(field.type)
+    }
     args: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ValueError(f"expected key=value, got {pair!r}")
-        if _is_string(properties.get(key, {})):
+        if key in strings:
             args[key] = value
         else:
             try:
@@ -42,13 +56,18 @@ def _parse_pairs(tool: str, pairs: list[str]) -> dict[str, Any]:
     return args
 
 
-def _is_string(schema: dict[str, Any]) -> bool:
-    if schema.get("type") == "string":
+def _is_string(annotation: Any) -> bool:
+    """``str``, alone, optional, in a union or annotated with constraints."""
+    if annotation is str:
         return True
-    return any(option.get("type") == "string" for option in schema.get("anyOf", []))
+    if typing.get_origin(annotation) in (typing.Annotated, typing.Union, types.UnionType):
+        return any(_is_string(member) for member in typing.get_args(annotation))
+    return False
 
 
 def _cmd_tools(args: argparse.Namespace) -> int:
+    from sandbx_pool.workers.schemas import TOOL_ARGS, tool_schemas
+
     schemas = tool_schemas()
     if args.json:
         print(json.dumps(schemas, indent=2))
@@ -60,15 +79,20 @@ def _cmd_tools(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
+    from sandbx_pool.tool_definitions import tool_definitions
+
     print(json.dumps(tool_definitions(args.format), indent=2))
     return 0
 
 
 def _cmd_call(args: argparse.Namespace) -> int:
+    import msgspec
+
     from sandbx_pool.config import load_config
     from sandbx_pool.output import OutputChunk
     from sandbx_pool.pool import Pool
     from sandbx_pool.signals import Stopper, run_until_signalled
+    from sandbx_pool.workers.schemas import parse_args
 
     try:
         tool_args = _parse_pairs(args.tool, args.pairs)
@@ -80,7 +104,7 @@ def _cmd_call(args: argparse.Namespace) -> int:
     if problem is not None:
         return _usage_error(f"call: {problem}")
     # One call: a warmed-up template and spare workers would cost more than they save.
-    config = config.override(pool={"warm_up": False, "prefork": 0})
+    config = config.override(pool={"warm_up": _CALL_WARM_UP, "prefork": 0})
 
     def show(chunk: OutputChunk) -> None:
         # On our stderr, both streams: stdout stays the outcome's JSON, for programs.
@@ -123,10 +147,18 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
     return run(args.workspace, config, args.journal, timeout=args.timeout)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    # Imported here: its probes load much of the worker side, which no other command needs.
+    from sandbx_pool.cli.doctor import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from sandbx_pool.cli.batch import add_batch_parsers
-    from sandbx_pool.cli.doctor import add_doctor_parser
     from sandbx_pool.cli.journal import add_journal_parser
+    from sandbx_pool.tool_definitions import STYLES
+    from sandbx_pool.workers.schemas import TOOL_ARGS
 
     parser = argparse.ArgumentParser(
         prog="sandbx-pool",
@@ -176,15 +208,69 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_parsers(commands)
     add_journal_parser(commands)
-    add_doctor_parser(commands)
+    doctor = commands.add_parser("doctor", help="show which protections this machine enforces")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.set_defaults(func=_cmd_doctor)
     return parser
 
 
+def entry() -> NoReturn:
+    """The ``sandbx-pool`` program: ``main``, then exit.
+
+    After ``call``, without the interpreter's teardown: by then the pool is closed (its
+    processes reaped, its journal synced and closed) and our streams are flushed here, so the
+    teardown (freeing every module's objects, 30-50 ms) would only delay a one-shot call's
+    exit. Any other command exits the usual way: it may hold what an atexit handler closes."""
+    code = main()
+    if _command_of(sys.argv[1:]) != "call":
+        sys.exit(code)
+    if "loguru" in sys.modules:
+        from sandbx_pool.logs import logger
+
+        logger.remove()  # flushes and closes --log-json's file
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:  # a reader gone away: nothing left to tell it
+        pass
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if _command_of(arguments) == "call":
+        # Its template's interpreter imports while we do (two cores): a one-shot call waits
+        # for the slower of the two, not their sum (sandbx_pool.template_launch).
+        prelaunch(warm_up=_CALL_WARM_UP)
+    try:
+        return _main(arguments)
+    finally:
+        discard_prelaunched()  # when the command ended before a pool took it
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand in ``argv``, from a glance at it before any parsing (None if unsure)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-json":
+            next(words, None)  # its value
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def _main(argv: list[str]) -> int:
     from sandbx_pool.errors import ConfigError
+    from sandbx_pool.logs import configure_logging
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras and args.command == "call" and not any(word.startswith("-") for word in extras):
+        # `call read --workspace W path=x`: argparse ends `key=value ...` at the first option,
+        # and takes what follows it for unknown arguments. They are more pairs.
+        args.pairs += extras
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     try:
         configure_logging(args.verbose - args.quiet, args.log_json)
     except OSError as exc:
@@ -213,4 +299,4 @@ def _usage_error(message: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
