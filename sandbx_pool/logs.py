@@ -16,6 +16,7 @@ application that uses the library gets loguru's own logger, as before.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ class _DeferredLogger:
     def __init__(self) -> None:
         self.level: str | None = None
         self._real: Logger | None = None
+        # The journal's writer thread logs too: one of two first messages installs the sinks.
+        self._loading = threading.Lock()
 
     def configure(self, level: str, json_file: str | None) -> None:
         if json_file is None and _NUMBERS[level] >= _NUMBERS["WARNING"]:
@@ -48,11 +51,13 @@ class _DeferredLogger:
             self._load(level, json_file)
 
     def _load(self, level: str, json_file: str | None) -> Logger:
-        from loguru import logger as real
+        with self._loading:
+            if self._real is None:
+                from loguru import logger as real
 
-        _install_sinks(real, level, json_file)
-        self.level, self._real = level, real
-        return real
+                _install_sinks(real, level, json_file)
+                self.level, self._real = level, real
+            return self._real
 
     def _shown(self, level: str) -> Logger | None:
         if self._real is not None:
