@@ -1,17 +1,22 @@
 """The reason journaled for a call Inspect AI cancels says why, for each way Inspect cancels.
 
 Every test runs a real eval (mockllm, the ``sandbx`` provider, a real pool): one sample starts a
-tagged ``sleep 30`` through ``sandbox().exec``; once the sleep runs (seen on the host), something
-of Inspect's stops the sample; the test reads the call's ``cancelled`` outcome in the journal.
+tagged ``sleep 30`` through ``sandbox().exec``; while it runs (seen on the host, when the sample
+itself triggers the stop), something of Inspect's stops the sample; the test reads the call's
+``cancelled`` outcome in the journal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gc
 import os
+import pty
 import signal
+import struct
 import sys
+import termios
 import textwrap
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -58,6 +63,11 @@ EXITS_WITHIN_S = 60.0
 
 #: What a sample's other task does once the sleep runs: stop the sample, one way or another.
 Trigger = Callable[[TaskState], Awaitable[None]]
+
+
+@pytest.fixture(autouse=True)
+def _no_display(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INSPECT_DISPLAY", "none")  # in-process evals: no screen to draw
 
 
 async def _sleep(tag: str) -> None:
@@ -130,8 +140,7 @@ async def _reason(tmp_path: Path, solve: Callable[[str], Solver], **options: Any
 # -- limits ------------------------------------------------------------------------------------
 
 
-async def test_the_samples_time_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+async def test_the_samples_time_limit(tmp_path: Path) -> None:
     reason = await _reason(tmp_path, _sleep_while, time_limit=1)
     assert reason == "Inspect: the sample's time limit (1 s) was reached"
 
@@ -149,17 +158,13 @@ def _sleep_in_a_scoped_time_limit(tag: str) -> Solver:
     return solve
 
 
-async def test_a_scoped_time_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+async def test_a_scoped_time_limit(tmp_path: Path) -> None:
     reason = await _reason(tmp_path, _sleep_in_a_scoped_time_limit, time_limit=60)
     assert reason == "Inspect: a scoped time limit (1 s) was reached"
 
 
-async def test_the_samples_working_time_limit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_the_samples_working_time_limit(tmp_path: Path) -> None:
     # Inspect checks it every second, from a task of the sample's, and cancels the sample.
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
     reason = await _reason(tmp_path, _sleep_while, working_limit=1)
     assert reason == "Inspect: the sample's working time limit (1 s) was reached"
 
@@ -169,9 +174,8 @@ async def _too_many_messages(state: TaskState) -> None:
         state.messages.append(ChatMessageUser(content=f"more {n}"))
 
 
-async def test_the_samples_message_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_samples_message_limit(tmp_path: Path) -> None:
     # A message limit is enforced where the messages grow (here, beside the sleep), by raising.
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
     reason = await _reason(
         tmp_path, lambda tag: _sleep_while(tag, _too_many_messages), message_limit=2
     )
@@ -188,8 +192,7 @@ def _sleep_under_a_deadline(tag: str) -> Solver:
     return solve
 
 
-async def test_the_solvers_own_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+async def test_the_solvers_own_timeout(tmp_path: Path) -> None:
     reason = await _reason(tmp_path, _sleep_under_a_deadline)
     assert reason == "Inspect: a timeout in the solver expired (a cancel scope's deadline)"
 
@@ -198,16 +201,13 @@ async def test_the_solvers_own_timeout(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("action", ["score", "error"])
-async def test_the_operator_interrupting_the_sample(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str
-) -> None:
+async def test_the_operator_interrupting_the_sample(tmp_path: Path, action: str) -> None:
     # What Inspect's UI (and `inspect ctl`) do when the operator interrupts a running sample.
     async def interrupt(state: TaskState) -> None:
         active = sample_active()
         assert active is not None
         active.interrupt(action)  # type: ignore[arg-type]
 
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
     reason = await _reason(tmp_path, lambda tag: _sleep_while(tag, interrupt))
     assert reason == f"Inspect: the sample was interrupted by its operator ({action})"
 
@@ -222,10 +222,7 @@ def _raises(message: str) -> Trigger:
     return trigger
 
 
-async def test_another_part_of_the_sample_raising(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+async def test_another_part_of_the_sample_raising(tmp_path: Path) -> None:
     reason = await _reason(
         tmp_path, lambda tag: _sleep_while(tag, _raises("the grader's\nfile is missing"))
     )
@@ -234,8 +231,7 @@ async def test_another_part_of_the_sample_raising(
     )
 
 
-async def test_a_long_error_is_cut_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+async def test_a_long_error_is_cut_short(tmp_path: Path) -> None:
     reason = await _reason(tmp_path, lambda tag: _sleep_while(tag, _raises("word " * 100)))
     assert reason.startswith("Inspect: another part of the sample raised ValueError: word word")
     assert reason.endswith("...")
@@ -255,10 +251,7 @@ def _one_fails_while_the_other_sleeps(tag: str) -> Solver:
     return solve
 
 
-async def test_another_samples_error_ending_the_eval(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+async def test_another_samples_error_ending_the_eval(tmp_path: Path) -> None:
     tag, config = unique_tag(), _config(tmp_path)
     log = await _eval(
         tmp_path, config, _one_fails_while_the_other_sleeps(tag), samples=2, fail_on_error=True
@@ -274,10 +267,7 @@ async def test_another_samples_error_ending_the_eval(
 # -- the eval stopped from outside ---------------------------------------------------------------
 
 
-async def test_the_eval_cancelled_by_its_caller(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
+async def test_the_eval_cancelled_by_its_caller(tmp_path: Path) -> None:
     tag, config = unique_tag(), _config(tmp_path)
     run = asyncio.create_task(_eval(tmp_path, config, _sleep_while(tag)))
     await _sleeping(tag)
@@ -291,7 +281,7 @@ async def test_the_eval_cancelled_by_its_caller(
     )
 
 
-#: An eval in a process of its own, for Ctrl-C (the test sends it SIGINT).
+#: An eval in a process of its own, for Ctrl-C.
 _EVAL_SCRIPT = textwrap.dedent(
     """
     import signal, sys
@@ -320,24 +310,51 @@ _EVAL_SCRIPT = textwrap.dedent(
 )
 
 
-async def test_ctrl_c(tmp_path: Path) -> None:
+def _discard(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+    """Read and drop what the eval draws on its terminal, so that it never blocks writing."""
+    try:
+        os.read(fd, 65536)
+    except OSError:  # EIO: the eval has closed the terminal
+        loop.remove_reader(fd)
+
+
+@pytest.mark.parametrize("display", ["none", "full"])
+async def test_ctrl_c(tmp_path: Path, display: str) -> None:
+    # "none": Ctrl-C as a terminal delivers it, SIGINT. "full": Inspect's full-screen display,
+    # which reads the key itself from its terminal (a pseudo-terminal here), in raw mode.
     tag, config = unique_tag(), _config(tmp_path)
     assert config.journal is not None
     assert config.pool_config is not None
     argv = [config.journal, config.pool_config, str(tmp_path / "logs"), tagged_sleep(tag, 30)]
-    env = {**os.environ, "INSPECT_DISPLAY": "none"}
-    with (tmp_path / "stderr").open("wb") as stderr:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _EVAL_SCRIPT, *argv, env=env, stderr=stderr
-        )
+    env = {**os.environ, "INSPECT_DISPLAY": display, "TERM": "xterm-256color"}
+    terminal, eval_side = pty.openpty()
+    fcntl.ioctl(eval_side, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a screen
+    loop = asyncio.get_running_loop()
+    loop.add_reader(terminal, _discard, loop, terminal)
     try:
-        await _sleeping(tag)
-        process.send_signal(signal.SIGINT)
-        await asyncio.wait_for(process.wait(), EXITS_WITHIN_S)
+        with os.fdopen(eval_side, "wb") as tty, (tmp_path / "stderr").open("wb") as stderr:
+            process = await asyncio.create_subprocess_exec(
+                *(sys.executable, "-c", _EVAL_SCRIPT, *argv),
+                env=env,
+                stdin=tty,
+                stdout=tty,
+                stderr=stderr,
+                start_new_session=True,  # no terminal of ours: it has its own
+            )
+        try:
+            await _sleeping(tag)
+            if display == "full":
+                os.write(terminal, b"\x03")
+            else:
+                process.send_signal(signal.SIGINT)
+            await asyncio.wait_for(process.wait(), EXITS_WITHIN_S)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        loop.remove_reader(terminal)
+        os.close(terminal)
     stderr_tail = (tmp_path / "stderr").read_text(errors="replace")[-2000:]
     outcome = _outcome(config.journal, tag)
     assert (outcome["status"], outcome["reason"]) == (

@@ -13,12 +13,14 @@ killer wins). Checked in this order; the first that tells wins:
 3. A time or working time limit reached, the sample's or a scoped ``time_limit()``: the limit
    trees, from the limit closest to the call up to the sample's.
 4. Ctrl-C: asyncio's Runner (``asyncio.run``, ``anyio.run``, which is how Inspect runs an eval
-   on asyncio) counted a SIGINT, on which it cancelled the main task.
-5. The cancelled scope, the outermost one cancelled between the call and the first shielded
-   scope (a cancel spreads down, and each task group it crosses cancels its own scope too):
-   a task group's scope whose task raised (a sibling in the sample; another sample, when the
-   eval fails on its error) holds the exception; a scope enclosing the sample's own task group
-   means the eval itself was cancelled; a deadline that passed, the solver's own timeout.
+   on asyncio) counted a SIGINT, on which it cancelled the main task. Inspect's full-screen
+   display (textual) reads Ctrl-C as a key instead, and cancels the worker running the eval.
+5. The cancelled scope: the outermost one cancelled between the call and the first shielded
+   scope (a cancel spreads down, and each task group it crosses cancels its own scope too).
+   Its task group holds the exception that made it cancel (a sibling task in the sample
+   raised; or another sample did, and the eval fails on its error); else a scope enclosing the
+   sample's own task group means the eval itself was cancelled, and a deadline that passed is
+   the solver's own timeout.
 
 Nothing telling, the reason says so in general terms (``GENERIC``).
 
@@ -58,7 +60,14 @@ _LIMIT_NAMES: Final = {
 
 def cancel_reason() -> str:
     """Why Inspect is cancelling the running task's call, in a few words (module docstring)."""
-    for reason in (_operator, _limit_exceeded, _limit_reached, _sigint, _scope_cause):
+    for reason in (
+        _operator,
+        _limit_exceeded,
+        _limit_reached,
+        _sigint,
+        _display_quit,
+        _scope_cause,
+    ):
         try:
             found = reason()
         except Exception:  # Inspect or anyio changed what we read: say less, never fail here
@@ -109,6 +118,20 @@ def _sigint() -> str | None:
     if isinstance(runner, asyncio.Runner) and getattr(runner, "_interrupt_count", 0) > 0:
         return "Inspect: the eval was interrupted (Ctrl-C)"
     return None
+
+
+def _display_quit() -> str | None:
+    # The terminal is in raw mode under the full-screen display: Ctrl-C is no signal, but the
+    # key Inspect binds to cancelling the textual worker that runs the eval (the only cancel
+    # of that worker Inspect issues).
+    worker_module = sys.modules.get("textual.worker")  # not loaded: no such display
+    if worker_module is None:
+        return None
+    try:
+        worker = worker_module.get_current_worker()
+    except worker_module.NoActiveWorker:
+        return None
+    return "Inspect: the eval was interrupted (Ctrl-C)" if worker.is_cancelled else None
 
 
 def _scope_cause() -> str | None:
