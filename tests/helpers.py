@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
-from conftest import is_marked
+from conftest import MARKER, is_marked
 
 #: How often a predicate on the outside world is looked at again.
 POLL_S = 0.005
@@ -97,3 +100,17 @@ def pids_with(tag: str) -> list[int]:
 def tagged_sleep(tag: str, seconds: int = 1000) -> str:
     """A bash snippet running ``sleep`` under an argv[0] that carries ``tag``."""
     return f"(exec -a {tag} sleep {seconds})"
+
+
+def marked_pool_toml(directory: Path) -> str:
+    """A pool config file for a test's Inspect task: every command carries the session marker,
+    and no spare worker is forked (one left idle at the end of a test would look like a process
+    the test left behind)."""
+    path = directory / "pool.toml"
+    path.write_text(f'[pool]\nprefork = 0\n\n[env.set]\n{MARKER} = "{os.environ[MARKER]}"\n')
+    return str(path)
+
+
+def journal_records(path: str) -> list[dict[str, Any]]:
+    """Every record of the journal at ``path``, in order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -24,8 +23,7 @@ import pytest_asyncio
 
 pytest.importorskip("inspect_ai", reason="needs the 'inspect' extra")
 
-from conftest import MARKER
-from helpers import pids_with, unique_tag
+from helpers import journal_records, marked_pool_toml, pids_with, unique_tag
 from inspect_ai import Task, eval_async
 from inspect_ai.dataset import Sample
 from inspect_ai.event import InfoEvent
@@ -64,14 +62,6 @@ else:
     EXPECTED_FAILURES["host"]["test_exec_as_user"] = "switching users needs a root pool"
 
 
-def _pool_toml(directory: Path) -> str:
-    # No spare workers: a worker forked ahead and left idle at the end of one check would look
-    # like a process that check left behind. Every command carries the session marker.
-    path = directory / "pool.toml"
-    path.write_text(f'[pool]\nprefork = 0\n\n[env.set]\n{MARKER} = "{os.environ[MARKER]}"\n')
-    return str(path)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=VIEWS)
 async def task_config(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -79,7 +69,7 @@ async def task_config(
     directory = tmp_path_factory.mktemp("inspect")
     config = SandbxConfig(
         journal=str(directory / "journal.jsonl"),
-        pool_config=_pool_toml(directory),
+        pool_config=marked_pool_toml(directory),
         workers=4,
         view=request.param,
     )
@@ -102,10 +92,6 @@ async def sandbox_env(
         yield environments["default"]
     finally:
         await SandbxSandboxEnvironment.sample_cleanup("test", task_config, environments, False)
-
-
-def _journal_records(path: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 # -- beyond the suite ---------------------------------------------------------------------------
@@ -169,7 +155,7 @@ async def test_every_operation_is_journaled(
     assert journal is not None
     await journal.flush()
     assert task_config.journal is not None
-    records = _journal_records(task_config.journal)
+    records = journal_records(task_config.journal)
     intents = [r for r in records if r["kind"] == "intent"]
     outcomes = {r["call_id"]: r["status"] for r in records if r["kind"] == "outcome"}
     last_three = intents[-3:]
@@ -184,7 +170,7 @@ async def test_file_modes_hold_for_a_sample_user(tmp_path: Path) -> None:
     # user: exec, read_file and write_file all run as that user, so file modes hold again.
     config = SandbxConfig(
         journal=str(tmp_path / "journal.jsonl"),
-        pool_config=_pool_toml(tmp_path),
+        pool_config=marked_pool_toml(tmp_path),
         workers=2,
         user="nobody",
     )
@@ -237,7 +223,7 @@ async def test_eval_with_mockllm_runs_every_call_through_the_pool(
 ) -> None:
     monkeypatch.setenv("INSPECT_DISPLAY", "none")
     config = SandbxConfig(
-        journal=str(tmp_path / "journal.jsonl"), pool_config=_pool_toml(tmp_path), workers=4
+        journal=str(tmp_path / "journal.jsonl"), pool_config=marked_pool_toml(tmp_path), workers=4
     )
     task = Task(
         dataset=[Sample(input="first"), Sample(input="second")],
@@ -252,7 +238,7 @@ async def test_eval_with_mockllm_runs_every_call_through_the_pool(
         assert sample.metadata["echo"] == "hello\n"
         assert sample.metadata["timed_out"] is True
         assert sample.metadata["read_back"] == sample.input
-    records = _journal_records(config.journal or "")
+    records = journal_records(config.journal or "")
     intents = {r["call_id"]: r for r in records if r["kind"] == "intent"}
     outcomes = {r["call_id"]: r["status"] for r in records if r["kind"] == "outcome"}
     assert set(outcomes) == set(intents)  # every call started has its one outcome
@@ -318,7 +304,9 @@ async def test_two_samples_as_root_each_see_only_their_own_view(
     )
     try:
         config = SandbxConfig(  # the default view, as root
-            journal=str(tmp_path / "journal.jsonl"), pool_config=_pool_toml(tmp_path), workers=4
+            journal=str(tmp_path / "journal.jsonl"),
+            pool_config=marked_pool_toml(tmp_path),
+            workers=4,
         )
         task = Task(
             dataset=[Sample(input="first"), Sample(input="second")],
@@ -386,7 +374,7 @@ async def test_the_pool_admits_the_evals_max_samples_and_the_log_names_the_journ
     # samples of `sleep 2` would take three rounds (a span of 6 s, 3x the sleep) if it decided.
     monkeypatch.setenv("INSPECT_DISPLAY", "none")
     config = SandbxConfig(
-        journal=str(tmp_path / "journal.jsonl"), pool_config=_pool_toml(tmp_path), view="host"
+        journal=str(tmp_path / "journal.jsonl"), pool_config=marked_pool_toml(tmp_path), view="host"
     )
     samples = 12
     task = Task(
@@ -409,41 +397,3 @@ async def test_the_pool_admits_the_evals_max_samples_and_the_log_names_the_journ
         assert named == [{"sandbx_journal": config.journal}]
     announced = [r for r in caplog.records if r.getMessage().startswith("sandbx: task journal")]
     assert [r.getMessage() for r in announced] == [f"sandbx: task journal {config.journal}"]
-
-
-@solver
-def _sleep_past_the_time_limit() -> Solver:
-    async def solve(state: TaskState, generate: Generate) -> TaskState:
-        await sandbox().exec(["sleep", "30"])
-        return state
-
-    return solve
-
-
-@pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-async def test_a_time_limit_is_the_journaled_cancel_reason(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("INSPECT_DISPLAY", "none")
-    config = SandbxConfig(
-        journal=str(tmp_path / "journal.jsonl"), pool_config=_pool_toml(tmp_path), view="host"
-    )
-    task = Task(
-        dataset=[Sample(input="x")],
-        solver=_sleep_past_the_time_limit(),
-        sandbox=("sandbx", config),
-        time_limit=1,
-    )
-    [log] = await eval_async(task, model="mockllm/model", log_dir=str(tmp_path / "logs"))
-    gc.collect()
-    assert log.status == "success", log.error
-    records = _journal_records(config.journal or "")
-    intents = {r["call_id"]: r for r in records if r["kind"] == "intent"}
-    (sleep,) = [
-        r
-        for r in records
-        if r["kind"] == "outcome" and intents[r["call_id"]]["args"].get("argv") == ["sleep", "30"]
-    ]
-    assert sleep["status"] == "cancelled"
-    assert sleep["reason"] == "Inspect: the sample's time limit (1 s) was reached"

@@ -12,8 +12,8 @@
   it, so the eval log says where every call of the sample is recorded.
 * Cancel reasons: a sample stopped by Inspect cancels the task awaiting the call, with an anyio
   message ("Cancelled via cancel scope 7f88...") that says nothing to a reader of the journal.
-  The provider cancels its calls through a token instead, with a reason read from the sample's
-  limits: its time or working-time limit, else an interrupt or another failure of the sample.
+  The provider cancels its calls through a token instead, with a reason inspect_cancel reads
+  from the eval (a limit, the operator, Ctrl-C, another task's error).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import logging
 from typing import Final
 
 from inspect_ai.log import transcript
-from inspect_ai.util import sample_limits
 
 #: The source named on the transcript events the provider writes.
 EVENT_SOURCE: Final = "sandbx"
@@ -47,16 +46,3 @@ def record_journal(path: str) -> None:
     """Name the journal in the running sample's transcript (part of the eval log)."""
     with contextlib.suppress(Exception):  # no sample running (a direct test call): no log
         transcript().info({"sandbx_journal": path}, source=EVENT_SOURCE)
-
-
-def cancel_reason() -> str:
-    """Why Inspect is cancelling the running sample's call, in a few words."""
-    try:
-        limits = sample_limits()
-        checks = (("time limit", limits.time), ("working time limit", limits.working))
-        for name, limit in checks:
-            if limit.limit is not None and limit.usage >= limit.limit:
-                return f"Inspect: the sample's {name} ({limit.limit:g} s) was reached"
-    except Exception:  # no sample running, or an Inspect without these limits
-        pass
-    return "Inspect cancelled the sample (interrupted, or another part of it failed)"

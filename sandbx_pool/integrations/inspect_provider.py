@@ -58,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import load_config
-from sandbx_pool.integrations import inspect_eval
+from sandbx_pool.integrations import inspect_cancel, inspect_eval
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.pool import Pool
@@ -247,7 +247,7 @@ async def _call(pool: Pool, tool: str, args: dict[str, Any], **options: Any) -> 
     """``pool.call`` stopped with a reader's reason when Inspect cancels the sample.
 
     The call runs in a task of its own under a token: cancelling the awaiting task directly
-    would journal anyio's message (inspect_eval says why). Cancelled, we cancel the token with
+    would journal anyio's message (inspect_cancel says why). Cancelled, we cancel the token with
     the reason, wait until the call's processes are dead and its outcome journaled (Inspect's
     cancel scope cancels us again at every await meanwhile), then re-raise.
     """
@@ -256,7 +256,7 @@ async def _call(pool: Pool, tool: str, args: dict[str, Any], **options: Any) -> 
     try:
         return await asyncio.shield(call)
     except asyncio.CancelledError:
-        token.cancel(inspect_eval.cancel_reason())
+        token.cancel(inspect_cancel.cancel_reason())
         while not call.done():  # bounded by the pool's kill deadlines
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait({call})
