@@ -277,7 +277,7 @@ class JournalWriter:
         record = make()
         try:
             encoder.encode_into(record, buffer, -1)
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
             # Arguments or a value JSON cannot hold (a file name that is not UTF-8): keep the
             # record and say why its payload is missing, rather than lose the call.
             del buffer[start:]

@@ -1,0 +1,81 @@
+"""Attacks that got through a root pool with the default config, each closed since.
+
+Run as a hostile model would, through ``Pool.call`` only, and checked from the host's side:
+the host's own ``git commit`` (does a planted hook run?), the journal's records, the next call.
+
+* git's code paths: a repository a call makes (``git init``) with a hook and a config; a
+  ``.git`` renamed away and replaced by a copy whose hooks are writable; a ``.git/commondir``
+  that sends git to a directory of the call's choosing for its config and hooks;
+* the journal: one inside the workspace (``run --journal run.jsonl`` in the project) read,
+  truncated, forged, locked or replaced by a call; an argument nested deep enough to kill the
+  journal's writer thread (every later side effect then waited for it forever).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import marked_config
+
+from sandbx_pool import Pool, Status
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks need a pool run as root")
+
+_GIT = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
+
+
+@pytest.fixture
+async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
+    config = marked_config(pool={"workers": 2})
+    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
+        yield pool
+
+
+async def bash(pool: Pool, command: str, **kwargs: Any) -> dict[str, Any]:
+    outcome = await pool.call("bash", {"command": command}, **{"timeout": 30, **kwargs})
+    assert outcome.value is not None, outcome
+    return outcome.value
+
+
+def _hook(marker: Path) -> str:
+    """A command printing a pre-commit hook that touches ``marker``: redirect it to a path."""
+    return f"printf '#!/bin/sh\\ntouch {marker}\\n'"
+
+
+def _host_commit(workspace: Path) -> subprocess.CompletedProcess[str]:
+    """The user's next commit, outside any sandbox: where a planted hook would run."""
+    return subprocess.run(
+        [*_GIT, "commit", "-q", "--allow-empty", "-m", "by the user"],
+        cwd=workspace,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+# -- the journal ----------------------------------------------------------------------------------
+
+
+async def test_an_argument_nested_deep_leaves_the_journal_writing(
+    pool: Pool, tmp_path: Path
+) -> None:
+    nested: dict[str, Any] = {}
+    inner = nested
+    for _ in range(100_000):
+        inner["a"] = {}
+        inner = inner["a"]
+    deep = await pool.call("bash", {"command": "true", "extra": nested})
+    assert deep.status is Status.ERROR, deep
+    after = await pool.call("write", {"path": "after.txt", "content": "x"}, timeout=10)
+    assert after.status is Status.OK, after
+    await pool.close()
+    records = [json.loads(line) for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    by_call = {(r["call_id"], r["kind"]) for r in records}
+    for outcome in (deep, after):
+        assert {(outcome.call_id, "intent"), (outcome.call_id, "outcome")} <= by_call
