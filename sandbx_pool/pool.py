@@ -60,7 +60,7 @@ from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
-from sandbx_pool.journal.prune import prune_default_journals
+from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
 from sandbx_pool.journal.records import JOURNAL_REFUSED, IntentRecord
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.journal.writer import JournalWriteError
@@ -188,6 +188,12 @@ class Pool:
                 self.journal = await Journal.open(journal_path, self.config.journal)
                 # Its writer's own synchronous stop (it flushes what is queued, then closes).
                 self._remains.stoppers.append(self.journal._writer.stop_at_exit)
+                # Out of every call's reach, wherever it lies: `run --journal run.jsonl` in the
+                # workspace is common, and a call must not read, truncate, forge or lock it.
+                journal_file = os.path.realpath(self.journal.path)
+                paths = (journal_file, journal_file + LOCK_SUFFIX)
+                hidden_now = (*self._sandbox.hidden, *paths)
+                self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden_now)
             if self._journal_path is None and self.journal is not None:
                 logger.info("journal: {}", self.journal.path)
             endpoint = f"ipc://{self._runtime_dir}/coordinator.sock"

@@ -62,6 +62,48 @@ def _host_commit(workspace: Path) -> subprocess.CompletedProcess[str]:
 # -- the journal ----------------------------------------------------------------------------------
 
 
+@needs_root
+async def test_a_journal_in_the_workspace_is_out_of_every_calls_reach(workspace: Path) -> None:
+    journal = workspace / "run.jsonl"
+    config = marked_config(pool={"workers": 2})
+    async with Pool(workspace, journal=journal, config=config) as pool:
+        await pool.call("write", {"path": "a.txt", "content": "one"})
+        attacks = [
+            "cat run.jsonl",
+            ": > run.jsonl",
+            'echo \'{"kind":"outcome","call_id":"x","status":"ok"}\' >> run.jsonl',
+            "flock -n run.jsonl.lock true",
+            "rm -f run.jsonl run.jsonl.lock",
+            "mv run.jsonl gone.jsonl",
+            "ln run.jsonl linked.jsonl",
+        ]
+        for command in attacks:
+            value = await bash(pool, f"{command} && echo rc=$?")
+            assert "rc=0" not in value["stdout"], (command, value)
+        for tool, args in [
+            ("read", {"path": "run.jsonl"}),
+            ("write", {"path": "run.jsonl", "content": "{}\n"}),
+            ("edit", {"path": "./run.jsonl", "old_string": "intent", "new_string": "x"}),
+            ("write", {"path": "run.jsonl.lock", "content": ""}),
+        ]:
+            outcome = await pool.call(tool, args)
+            assert outcome.status is Status.DENIED, (tool, outcome)
+        await pool.call("write", {"path": "b.txt", "content": "two"})
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    outcomes = [r for r in records if r["kind"] == "outcome"]
+    intents = [r for r in records if r["kind"] == "intent"]
+    assert len(intents) == len(outcomes) == 2 + len(attacks) + 4
+    assert all(r["call_id"] != "x" for r in records)
+    assert sorted(p.name for p in workspace.iterdir()) == [
+        "a.txt",
+        "b.txt",
+        "hello.txt",
+        "run.jsonl",
+        "run.jsonl.lock",
+        "src",
+    ]
+
+
 async def test_an_argument_nested_deep_leaves_the_journal_writing(
     pool: Pool, tmp_path: Path
 ) -> None:

@@ -50,6 +50,11 @@ def resolve(ctx: ExecutionContext, path: str) -> str:
     real = os.path.realpath(joined)
     if not is_within(real, workspace):
         raise Denied(f"path {path!r} resolves outside the workspace ({real})")
+    for hidden in ctx.sandbox.hidden:
+        # The pool's own files (its journal, which may lie in the workspace): bash's mount
+        # namespace covers them, the file tools refuse them here.
+        if is_within(real, hidden) and not is_within(workspace, hidden):
+            raise Denied(f"path {path!r} is the pool's own ({hidden}): no call may use it")
     return real
 
 

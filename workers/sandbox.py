@@ -334,15 +334,21 @@ def _private_mounts(
         # Refused in some containers (a masked /proc): the host's /proc it is, then.
         with contextlib.suppress(OSError):
             _libc.mount("proc", "/proc", "proc", flags, None)
+    hidden_files = []  # the journal and its lock (which may lie in the workspace)
     for path in box.hidden:
         real = os.path.realpath(path)
-        if not os.path.isdir(real) or any(n and within(n, [real]) for n in needed):
+        if not os.path.isdir(real):
+            hidden_files.append(real)
+            continue
+        if any(n and within(n, [real]) for n in needed):
             continue  # never hide what the call must use
         with contextlib.suppress(OSError):  # the secret and the pid check still hold
             _libc.mount("sandbx-hidden", real, "tmpfs", flags | _libc.MS_RDONLY, "size=4k,mode=000")
+    scratch = box.tmp_root if box.tmp_root and os.path.isdir(box.tmp_root) else "/tmp"
     if not box.keep_root or box.view is not None:
-        scratch = box.tmp_root if box.tmp_root and os.path.isdir(box.tmp_root) else "/tmp"
-        lockdown.mask_secrets(scratch)
+        lockdown.mask_secrets(scratch, also=hidden_files)
+    elif hidden_files:
+        lockdown.mask(scratch, hidden_files)
     lockdown.read_only_kernel_files()
     lockdown.private_dev_shm()
     if ctx is None:
