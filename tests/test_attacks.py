@@ -59,6 +59,93 @@ def _host_commit(workspace: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+# -- git's code paths ------------------------------------------------------------------------------
+
+
+@needs_root
+async def test_a_repository_a_call_makes_keeps_no_hook_or_config(
+    pool: Pool, workspace: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "hook-ran"
+    command = (
+        f"git init -q . && {' '.join(_GIT)} commit -q --allow-empty -m first && "
+        f"{_hook(marker)} > .git/hooks/pre-commit && chmod +x .git/hooks/pre-commit && "
+        f"git config core.fsmonitor 'touch {marker}' && echo made"
+    )
+    value = await bash(pool, command)
+    assert value["stdout"] == "made\n", value
+    moved = {entry["path"] for entry in value["protected_set_aside"]}
+    assert moved == {".git/hooks", ".git/config"}, value
+    assert not (workspace / ".git" / "hooks").exists()
+    assert not (workspace / ".git" / "config").exists()
+    # The repository itself is the call's work and stays: the user commits on top of it.
+    result = _host_commit(workspace)
+    assert result.returncode == 0, result.stderr
+    assert not marker.exists()
+    log = subprocess.run(["git", "log", "--oneline"], cwd=workspace, capture_output=True, text=True)
+    assert len(log.stdout.splitlines()) == 2, log
+
+
+@needs_root
+async def test_a_timed_out_call_keeps_no_hook_either(
+    pool: Pool, workspace: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "hook-ran"
+    command = (
+        f"git init -q . && {_hook(marker)} > .git/hooks/pre-commit && "
+        "chmod +x .git/hooks/pre-commit && echo planted && sleep 100"
+    )
+    outcome = await pool.call("bash", {"command": command}, timeout=2)
+    assert outcome.status is Status.TIMEOUT, outcome
+    assert outcome.value is not None and outcome.value["stdout"] == "planted\n", outcome
+    assert not (workspace / ".git" / "hooks" / "pre-commit").exists()
+    assert _host_commit(workspace).returncode == 0
+    assert not marker.exists()
+
+
+@needs_root
+async def test_the_git_directory_cannot_be_swapped_for_a_writable_copy(
+    pool: Pool, workspace: Path, tmp_path: Path
+) -> None:
+    subprocess.run(["git", "init", "-q", "."], cwd=workspace, check=True)
+    marker = tmp_path / "hook-ran"
+    swaps = [
+        "mv .git .git-old && cp -a .git-old .git",
+        "cp -a .git .git-new && mv -T .git-new .git",
+        "mv .git/hooks .git/hooks-old; mkdir -p .git/hooks",
+    ]
+    for swap in swaps:
+        value = await bash(
+            pool,
+            f"{swap}; {_hook(marker)} > .git/hooks/pre-commit && chmod +x .git/hooks/pre-commit;"
+            " echo rc=$?",
+        )
+        assert "rc=0" not in value["stdout"], (swap, value)
+    assert _host_commit(workspace).returncode == 0
+    assert not marker.exists()
+
+
+@needs_root
+async def test_a_commondir_cannot_send_git_elsewhere(
+    pool: Pool, workspace: Path, tmp_path: Path
+) -> None:
+    subprocess.run(["git", "init", "-q", "."], cwd=workspace, check=True)
+    marker = tmp_path / "hook-ran"
+    # A copy of the git directory, with a hook: git takes config and hooks from the commondir.
+    await bash(
+        pool,
+        f"cp -a .git evil && {_hook(marker)} > evil/hooks/pre-commit"
+        " && chmod +x evil/hooks/pre-commit",
+    )
+    written = await pool.call("write", {"path": ".git/commondir", "content": "../evil\n"})
+    assert written.status is Status.DENIED, written
+    value = await bash(pool, "echo ../evil > .git/commondir && echo rc=$?")
+    assert value["stdout"] == "rc=0\n"  # .git stays writable: git writes there
+    assert [e["path"] for e in value["protected_set_aside"]] == [".git/commondir"], value
+    assert _host_commit(workspace).returncode == 0
+    assert not marker.exists()
+
+
 # -- the journal ----------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ kernel's, set up by the worker itself in two stages::
     |                       processes, an empty mount over the coordinator's socket directory,
     |                       root's secrets masked and kernel files read-only (workers.lockdown),
     |                       a private /dev/shm, the TMPDIRs' parent a tmpfs of the call's own,
-    |                       the protected paths read-only
+    |                       the protected paths read-only (workers.protected)
     |   TMPDIR *            a private directory for this call, set in bash's environment
     |   IPC namespace *     SysV and POSIX IPC objects of its own
     |   network = false *   a network namespace of its own
@@ -50,7 +50,7 @@ import os
 
 import msgspec
 
-from sandbx_pool.workers import _libc, landlock, lockdown, seccomp, users, view
+from sandbx_pool.workers import _libc, landlock, lockdown, protected, seccomp, users, view
 from sandbx_pool.workers.containment import in_own_pid_namespace
 from sandbx_pool.workers.errors import ToolError
 from sandbx_pool.workers.protocol import Call, ExecutionContext, Sandbox
@@ -357,7 +357,7 @@ def _private_mounts(
         uid, gid = owner[:2] if owner is not None else (os.getuid(), os.getgid())
         options = f"size={box.tmp_size_mb}m,mode=0700,uid={uid},gid={gid}"
         _libc.mount("sandbx-tmp", box.tmp_root, "tmpfs", _libc.MS_NOSUID | _libc.MS_NODEV, options)
-    protect(ctx.workspace, box.protected)
+    protected.protect(ctx.workspace, box.protected)
     if no_symlinks:
         _follow_no_symlinks(ctx.workspace)
     return True
@@ -391,39 +391,6 @@ def _follow_no_symlinks(workspace: str) -> None:
         _libc.set_no_symlinks(root)
     except OSError:
         return
-
-
-def protect(workspace: str, patterns: tuple[str, ...]) -> list[str]:
-    """Bind each protected path that exists read-only onto itself (in our mount namespace).
-
-    A pattern is bound at its fixed prefix, the components before the first wildcard:
-    ``.git/hooks/**`` makes ``.git/hooks`` read-only, hooks to come included; ``.git/config``
-    is the file itself. A read-only bind cannot be removed, renamed over or unmounted without
-    CAP_SYS_ADMIN, so the command gets EROFS or EBUSY. A pattern with no fixed prefix
-    (``*.pem``) would cover the whole workspace: only the write and edit tools enforce it. A
-    protected path that does not exist when the call starts (a repository the call itself
-    creates) is not covered during that call. Returns the paths made read-only.
-    """
-    root = os.path.realpath(workspace)
-    covered: list[str] = []
-    for pattern in patterns:
-        fixed = []
-        for part in pattern.strip("/").split("/"):
-            if any(c in part for c in "*?["):
-                break
-            fixed.append(part)
-        if not fixed:
-            continue
-        path = os.path.realpath(os.path.join(root, *fixed))
-        if path == root or not within(path, [root]) or not os.path.lexists(path):
-            continue
-        try:
-            _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)
-            _libc.set_read_only(path, recursive=True)
-        except OSError:
-            continue
-        covered.append(path)
-    return covered
 
 
 def _program_dirs(env: dict[str, str]) -> list[str]:
