@@ -48,6 +48,19 @@ def _hook(marker: Path) -> str:
     return f"printf '#!/bin/sh\\ntouch {marker}\\n'"
 
 
+def _git_init(workspace: Path) -> None:
+    subprocess.run(["git", "init", "-q", "."], cwd=workspace, check=True)
+
+
+def _commits(workspace: Path) -> int:
+    log = subprocess.run(["git", "log", "--oneline"], cwd=workspace, capture_output=True, text=True)
+    return len(log.stdout.splitlines())
+
+
+def _entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
 def _host_commit(workspace: Path) -> subprocess.CompletedProcess[str]:
     """The user's next commit, outside any sandbox: where a planted hook would run."""
     return subprocess.run(
@@ -82,8 +95,7 @@ async def test_a_repository_a_call_makes_keeps_no_hook_or_config(
     result = _host_commit(workspace)
     assert result.returncode == 0, result.stderr
     assert not marker.exists()
-    log = subprocess.run(["git", "log", "--oneline"], cwd=workspace, capture_output=True, text=True)
-    assert len(log.stdout.splitlines()) == 2, log
+    assert _commits(workspace) == 2
 
 
 @needs_root
@@ -97,7 +109,8 @@ async def test_a_timed_out_call_keeps_no_hook_either(
     )
     outcome = await pool.call("bash", {"command": command}, timeout=2)
     assert outcome.status is Status.TIMEOUT, outcome
-    assert outcome.value is not None and outcome.value["stdout"] == "planted\n", outcome
+    assert outcome.value is not None, outcome
+    assert outcome.value["stdout"] == "planted\n", outcome
     assert not (workspace / ".git" / "hooks" / "pre-commit").exists()
     assert _host_commit(workspace).returncode == 0
     assert not marker.exists()
@@ -107,7 +120,7 @@ async def test_a_timed_out_call_keeps_no_hook_either(
 async def test_the_git_directory_cannot_be_swapped_for_a_writable_copy(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
-    subprocess.run(["git", "init", "-q", "."], cwd=workspace, check=True)
+    _git_init(workspace)
     marker = tmp_path / "hook-ran"
     swaps = [
         "mv .git .git-old && cp -a .git-old .git",
@@ -129,7 +142,7 @@ async def test_the_git_directory_cannot_be_swapped_for_a_writable_copy(
 async def test_a_commondir_cannot_send_git_elsewhere(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
-    subprocess.run(["git", "init", "-q", "."], cwd=workspace, check=True)
+    _git_init(workspace)
     marker = tmp_path / "hook-ran"
     # A copy of the git directory, with a hook: git takes config and hooks from the commondir.
     await bash(
@@ -181,7 +194,7 @@ async def test_a_journal_in_the_workspace_is_out_of_every_calls_reach(workspace:
     intents = [r for r in records if r["kind"] == "intent"]
     assert len(intents) == len(outcomes) == 2 + len(attacks) + 4
     assert all(r["call_id"] != "x" for r in records)
-    assert sorted(p.name for p in workspace.iterdir()) == [
+    assert _entries(workspace) == [
         "a.txt",
         "b.txt",
         "hello.txt",
