@@ -8,7 +8,8 @@ the host's own ``git commit`` (does a planted hook run?), the journal's records,
   that sends git to a directory of the call's choosing for its config and hooks;
 * the journal: one inside the workspace (``run --journal run.jsonl`` in the project) read,
   truncated, forged, locked or replaced by a call; an argument nested deep enough to kill the
-  journal's writer thread (every later side effect then waited for it forever).
+  journal's writer thread (every later side effect then waited for it forever); a call that
+  fills the disk the journal shares with the workspace (every later side effect was refused).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,3 +222,40 @@ async def test_an_argument_nested_deep_leaves_the_journal_writing(
     by_call = {(r["call_id"], r["kind"]) for r in records}
     for outcome in (deep, after):
         assert {(outcome.call_id, "intent"), (outcome.call_id, "outcome")} <= by_call
+
+
+@pytest.fixture
+def shared_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs holding both the workspace and the journal, as one disk often does."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs to fill needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        (mount / "ws").mkdir()
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+async def test_a_call_that_fills_the_journals_disk_does_not_stop_the_batch(
+    shared_disk: Path,
+) -> None:
+    workspace, journal = shared_disk / "ws", shared_disk / "run.jsonl"
+    async with Pool(workspace, journal=journal, config=marked_config()) as pool:
+        filler = await bash(pool, "head -c 100M /dev/zero > big; df --output=avail . | tail -1")
+        assert filler["stdout"].strip() == "0", filler
+        # About 60 records: fifteen 4 KiB pages the full disk could not have given the journal.
+        later = [await pool.call("bash", {"command": "true"}) for _ in range(20)]
+        assert [o.status for o in later] == [Status.OK] * 20, later[-1]
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert sum(r["kind"] == "outcome" for r in records) == 21
+    # The room kept past the journal's end is given back when the pool closes.
+    assert os.stat(journal).st_blocks * 512 < 1024 * 1024
