@@ -164,28 +164,33 @@ async def test_a_commondir_cannot_send_git_elsewhere(
 
 
 @needs_root
-async def test_a_journal_in_the_workspace_is_out_of_every_calls_reach(workspace: Path) -> None:
-    journal = workspace / "run.jsonl"
+@pytest.mark.parametrize("where", ["run.jsonl", "logs/run.jsonl"])
+async def test_a_journal_in_the_workspace_is_out_of_every_calls_reach(
+    workspace: Path, where: str
+) -> None:
+    journal = workspace / where
     config = marked_config(pool={"workers": 2})
     async with Pool(workspace, journal=journal, config=config) as pool:
         await pool.call("write", {"path": "a.txt", "content": "one"})
         attacks = [
-            "cat run.jsonl",
-            ": > run.jsonl",
-            'echo \'{"kind":"outcome","call_id":"x","status":"ok"}\' >> run.jsonl',
-            "flock -n run.jsonl.lock true",
-            "rm -f run.jsonl run.jsonl.lock",
-            "mv run.jsonl gone.jsonl",
-            "ln run.jsonl linked.jsonl",
+            f"cat {where}",
+            f": > {where}",
+            f'echo \'{{"kind":"outcome","call_id":"x","status":"ok"}}\' >> {where}',
+            f"flock -n {where}.lock true",
+            f"rm -f {where} {where}.lock",
+            f"mv {where} gone.jsonl",
+            f"ln {where} linked.jsonl",
+            # Its directory, with the masked file in it: the writer could not re-create it.
+            f"mv {os.path.dirname(where) or '.'} moved",
         ]
         for command in attacks:
             value = await bash(pool, f"{command} && echo rc=$?")
             assert "rc=0" not in value["stdout"], (command, value)
         for tool, args in [
-            ("read", {"path": "run.jsonl"}),
-            ("write", {"path": "run.jsonl", "content": "{}\n"}),
-            ("edit", {"path": "./run.jsonl", "old_string": "intent", "new_string": "x"}),
-            ("write", {"path": "run.jsonl.lock", "content": ""}),
+            ("read", {"path": where}),
+            ("write", {"path": where, "content": "{}\n"}),
+            ("edit", {"path": f"./{where}", "old_string": "intent", "new_string": "x"}),
+            ("write", {"path": f"{where}.lock", "content": ""}),
         ]:
             outcome = await pool.call(tool, args)
             assert outcome.status is Status.DENIED, (tool, outcome)
@@ -195,14 +200,11 @@ async def test_a_journal_in_the_workspace_is_out_of_every_calls_reach(workspace:
     intents = [r for r in records if r["kind"] == "intent"]
     assert len(intents) == len(outcomes) == 2 + len(attacks) + 4
     assert all(r["call_id"] != "x" for r in records)
-    assert _entries(workspace) == [
-        "a.txt",
-        "b.txt",
-        "hello.txt",
-        "run.jsonl",
-        "run.jsonl.lock",
-        "src",
-    ]
+    top = where.split("/")[0]
+    expected = {"a.txt", "b.txt", "hello.txt", "src", top}
+    if top == where:
+        expected.add(f"{where}.lock")
+    assert _entries(workspace) == sorted(expected)
 
 
 async def test_an_argument_nested_deep_leaves_the_journal_writing(

@@ -72,14 +72,7 @@ def protect(workspace: str, patterns: tuple[str, ...]) -> list[str]:
     it pinned (bound onto itself). Returns the paths made read-only."""
     root = os.path.realpath(workspace)
     prefixes = _prefixes(patterns)
-    # Shallowest first: a bind of ".git" made after the read-only ".git/hooks" would cover it.
-    ancestors = sorted({p[:depth] for p in prefixes for depth in range(1, len(p))}, key=len)
-    for parts in ancestors:
-        path = os.path.join(root, *parts)
-        if os.path.realpath(path) != path or not os.path.isdir(path):
-            continue  # a symlink (or nothing): the read-only step below skips what it leads to
-        with contextlib.suppress(OSError):
-            _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)
+    _pin(root, prefixes)
     covered: list[str] = []
     for parts in prefixes:
         path = os.path.realpath(os.path.join(root, *parts))
@@ -92,6 +85,29 @@ def protect(workspace: str, patterns: tuple[str, ...]) -> list[str]:
             continue
         covered.append(path)
     return covered
+
+
+def pin_directories_above(workspace: str, paths: list[str]) -> None:
+    """Bind each directory between the workspace and each of ``paths`` (absolute, real) onto
+    itself, so that no call can move it: the pool's journal, when it lies in a subdirectory of
+    the workspace, would otherwise go with ``mv logs elsewhere`` (its file is masked, its
+    directory is not), and the writer could not re-create it where it belongs."""
+    root = os.path.realpath(workspace)
+    inside = [os.path.relpath(p, root) for p in paths if _within(p, root) and p != root]
+    _pin(root, [tuple(rel.split(os.sep)) for rel in inside])
+
+
+def _pin(root: str, prefixes: list[tuple[str, ...]]) -> None:
+    """Bind every existing real directory strictly above each prefix onto itself: a mount point
+    cannot be renamed or removed (EBUSY), whatever is done to what it holds."""
+    # Shallowest first: a bind of ".git" made after the read-only ".git/hooks" would cover it.
+    ancestors = sorted({p[:depth] for p in prefixes for depth in range(1, len(p))}, key=len)
+    for parts in ancestors:
+        path = os.path.join(root, *parts)
+        if os.path.realpath(path) != path or not os.path.isdir(path):
+            continue  # a symlink (or nothing): never a mount on what it leads to
+        with contextlib.suppress(OSError):
+            _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)
 
 
 #: A protected prefix that did not exist, and the depth (1-based) of its first missing name.

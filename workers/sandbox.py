@@ -358,6 +358,7 @@ def _private_mounts(
         options = f"size={box.tmp_size_mb}m,mode=0700,uid={uid},gid={gid}"
         _libc.mount("sandbx-tmp", box.tmp_root, "tmpfs", _libc.MS_NOSUID | _libc.MS_NODEV, options)
     protected.protect(ctx.workspace, box.protected)
+    protected.pin_directories_above(ctx.workspace, hidden_files)
     if no_symlinks:
         _follow_no_symlinks(ctx.workspace)
     return True

@@ -425,10 +425,14 @@ class JournalWriter:
         logger.warning("journal {}: its lock file was removed; re-created and locked", self.path)
 
     def _recreate(self, how: str) -> None:
-        self._check_lock()
         directory = os.path.dirname(self.path)
         try:
+            # Before the lock: it lives in the same directory, which may have gone too.
             os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise self._error(f"re-create (it was {how})", exc) from exc
+        self._check_lock()
+        try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise self._error(f"re-create (it was {how})", exc) from exc
