@@ -118,6 +118,24 @@ async def test_a_timed_out_call_keeps_no_hook_either(
 
 
 @needs_root
+async def test_a_call_cannot_disarm_its_worker_before_the_hook_is_set_aside(
+    pool: Pool, workspace: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "hook-ran"
+    # Its worker (pid 1 of the call's namespace) left with no descriptor could set nothing aside.
+    command = (
+        f"git init -q . && {_hook(marker)} > .git/hooks/pre-commit && "
+        "chmod +x .git/hooks/pre-commit && prlimit --pid 1 --nofile=3:3 --cpu=1:1; "
+        "echo rc=$?; ulimit -n 64 && echo own-limits-still-mine"
+    )
+    value = await bash(pool, command)
+    assert value["stdout"] == "rc=1\nown-limits-still-mine\n", value
+    assert value["protected_set_aside"], value
+    assert _host_commit(workspace).returncode == 0
+    assert not marker.exists()
+
+
+@needs_root
 async def test_the_git_directory_cannot_be_swapped_for_a_writable_copy(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
