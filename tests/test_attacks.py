@@ -6,6 +6,8 @@ the host's own ``git commit`` (does a planted hook run?), the journal's records,
 * git's code paths: a repository a call makes (``git init``) with a hook and a config; a
   ``.git`` renamed away and replaced by a copy whose hooks are writable; a ``.git/commondir``
   that sends git to a directory of the call's choosing for its config and hooks;
+* ``run --output-dir`` inside the workspace: an earlier call planted ``ID.out`` as a symlink
+  to a file outside, and the coordinator (unconfined, root) wrote the next call's output there;
 * the journal: one inside the workspace (``run --journal run.jsonl`` in the project) read,
   truncated, forged, locked or replaced by a call; an argument nested deep enough to kill the
   journal's writer thread (every later side effect then waited for it forever); a call that
@@ -25,6 +27,8 @@ import pytest
 from conftest import marked_config
 
 from sandbx_pool import Pool, Status
+from sandbx_pool.batch.calls import parse_batch
+from sandbx_pool.batch.run import run_batch
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks need a pool run as root")
 
@@ -176,6 +180,42 @@ async def test_a_commondir_cannot_send_git_elsewhere(
     assert [e["path"] for e in value["protected_set_aside"]] == [".git/commondir"], value
     assert _host_commit(workspace).returncode == 0
     assert not marker.exists()
+
+
+# -- the batch's output files ---------------------------------------------------------------------
+
+
+async def test_an_output_file_is_never_written_through_a_planted_symlink(
+    workspace: Path, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("the user's\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    lines = [
+        # The output directory's files, and then the directory itself, made to lead outside.
+        {"id": "plant", "tool": "bash", "args": {"command": f"ln -s {victim} out/two.out"}},
+        {"id": "two", "tool": "bash", "args": {"command": "echo attacker"}, "after": ["plant"]},
+        {
+            "id": "swap",
+            "tool": "bash",
+            "args": {"command": f"mv out out-real && ln -s {elsewhere} out"},
+            "after": ["two"],
+        },
+        {"id": "three", "tool": "bash", "args": {"command": "echo more"}, "after": ["swap"]},
+    ]
+    batch = parse_batch([json.dumps(line) for line in lines])
+    (workspace / "out").mkdir()
+    config = marked_config(pool={"workers": 2})
+    async with Pool(workspace, journal=tmp_path / "j.jsonl", config=config) as pool:
+        report = await run_batch(pool, batch.calls, parallel=2, output_dir=workspace / "out")
+    assert [o.status for _, o in report.results] == [Status.OK] * 4, report
+    assert victim.read_text() == "the user's\n"
+    assert _entries(elsewhere) == []
+    out = workspace / "out-real"
+    assert (out / "two.out").read_text() == "attacker\n"
+    assert not (out / "two.out").is_symlink()
+    assert (out / "three.out").read_text() == "more\n"
 
 
 # -- the journal ----------------------------------------------------------------------------------
