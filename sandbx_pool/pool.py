@@ -585,6 +585,7 @@ class Pool:
             sandbox=sandbox,
             keep_output_bytes=self.config.calls.keep_output_bytes,
             grace_s=self.config.calls.grace_s,
+            workspace_root=self.workspace,
         )
 
     def _max_output_bytes(self, tool: str) -> int:

@@ -6,6 +6,9 @@ the host's own ``git commit`` (does a planted hook run?), the journal's records,
 * git's code paths: a repository a call makes (``git init``) with a hook and a config; a
   ``.git`` renamed away and replaced by a copy whose hooks are writable; a ``.git/commondir``
   that sends git to a directory of the call's choosing for its config and hooks;
+* a call's own workspace (a batch line's ``workspace``) or view, a folder of the pool's
+  workspace that an earlier call made a symlink to a directory outside: the call was confined
+  to that directory instead, read and write;
 * ``run --output-dir`` inside the workspace: an earlier call planted ``ID.out`` as a symlink
   to a file outside, and the coordinator (unconfined, root) wrote the next call's output there;
 * the journal: one inside the workspace (``run --journal run.jsonl`` in the project) read,
@@ -180,6 +183,38 @@ async def test_a_commondir_cannot_send_git_elsewhere(
     assert [e["path"] for e in value["protected_set_aside"]] == [".git/commondir"], value
     assert _host_commit(workspace).returncode == 0
     assert not marker.exists()
+
+
+# -- a call's own workspace or view ---------------------------------------------------------------
+
+
+@needs_root
+async def test_a_calls_workspace_or_view_is_never_a_planted_symlink(
+    pool: Pool, workspace: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("secret\n")
+    (workspace / "episode").mkdir()
+    await bash(pool, f"rm -rf episode && ln -s {outside} episode")
+    episode = str(workspace / "episode")
+    attempts: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+        ("bash", {"command": "cat secret.txt; echo x > planted"}, {"workspace": episode}),
+        ("read", {"path": "secret.txt"}, {"workspace": episode}),
+        ("write", {"path": "planted", "content": "x"}, {"workspace": episode}),
+        ("bash", {"command": "cat /secret.txt; echo x > /planted"}, {"view": episode}),
+        ("read", {"path": "/secret.txt"}, {"view": episode}),
+    ]
+    for tool, args, where in attempts:
+        outcome = await pool.call(tool, args, timeout=30, **where)
+        assert outcome.status is Status.ERROR, (tool, where, outcome)
+        assert "symlink" in (outcome.error or ""), outcome
+    assert _entries(outside) == ["secret.txt"]
+    # A real folder is a workspace as before.
+    (workspace / "real").mkdir()
+    fine = await pool.call("bash", {"command": "echo hi > f"}, workspace=str(workspace / "real"))
+    assert fine.status is Status.OK, fine
+    assert (workspace / "real" / "f").read_text() == "hi\n"
 
 
 # -- the batch's output files ---------------------------------------------------------------------

@@ -50,9 +50,9 @@ import os
 
 import msgspec
 
-from sandbx_pool.workers import _libc, landlock, lockdown, protected, seccomp, users, view
+from sandbx_pool.workers import _libc, landlock, lockdown, paths, protected, seccomp, users, view
 from sandbx_pool.workers.containment import in_own_pid_namespace
-from sandbx_pool.workers.errors import ToolError
+from sandbx_pool.workers.errors import Denied, ToolError
 from sandbx_pool.workers.protocol import Call, ExecutionContext, Sandbox
 from sandbx_pool.workers.rules import (
     PROC,
@@ -160,8 +160,11 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
     try:
         _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
         network_namespace = False
+        # A folder of the pool's workspace, reached without a symlink: what the rules (or the
+        # view) are then checked to have been built on, whatever a parallel call swaps meanwhile.
+        anchor = paths.reach(ctx.workspace_root, box.view or ctx.workspace)
         if box.view is not None:
-            _enter_view(box, owner)
+            _enter_view(box, owner, anchor)
         if runs_programs:
             private = box.view is not None or _private_mounts(
                 box,
@@ -196,7 +199,9 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             # A file tool in a view is held to file modes as the view's commands are: a capless
             # uid 0 cannot read a file it chmod'ed -r, as in a container whose root it is not.
             lockdown.lock_out_root(prepared.last_cap)
-        rulesets = _rulesets(call.context, tmpdir, prepared, network_namespace, runs_programs)
+        rulesets = _rulesets(
+            call.context, tmpdir, prepared, network_namespace, runs_programs, anchor
+        )
         if box.uid is not None:
             os.setgroups(list(box.groups))
             os.setgid(box.gid if box.gid is not None else box.uid)
@@ -215,11 +220,13 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             ruleset.restrict_self()
         if runs_programs and seccomp.supported():
             seccomp.install()
-    except (OSError, SandboxError) as exc:
+    except (OSError, SandboxError, Denied) as exc:
         if tmpdir is not None:
             remove_tree(tmpdir)
         if isinstance(exc, SandboxError):
             raise
+        if isinstance(exc, Denied):
+            raise SandboxError(f"not confined: {exc}") from exc
         raise SandboxError(f"cannot confine the call: {exc}") from exc
     return Confinement(call, tmpdir)
 
@@ -364,17 +371,24 @@ def _private_mounts(
     return True
 
 
-def _enter_view(box: Sandbox, owner: Identity | None) -> None:
+def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | None) -> None:
     """The mount namespace a view needs (workers.sandbox's own steps first: /proc, secrets,
     kernel files), then the view itself (workers.view). A view is never entered without them:
-    where no mount namespace can be made (a pool not run as root) the call is refused."""
+    where no mount namespace can be made (a pool not run as root) the call is refused.
+
+    ``anchor``: the view's directory as reached without a symlink from the pool's workspace
+    (workers.paths.reach). The root entered must be that directory: a view swapped for a
+    symlink to ``/`` after the walk would otherwise be entered."""
     assert box.view is not None
     if not _private_mounts(box, None, owner, [box.view]):
         raise SandboxError("a view needs a mount namespace of the call's own: run the pool as root")
     try:
         view.enter(box.view)
+        entered = os.stat("/")
     except OSError as exc:
         raise SandboxError(f"cannot enter the view {box.view}: {exc}") from exc
+    if anchor is not None and (entered.st_dev, entered.st_ino) != anchor:
+        raise SandboxError(f"the view {box.view} changed while it was entered")
 
 
 def _follow_no_symlinks(workspace: str) -> None:
@@ -422,8 +436,13 @@ def _rulesets(
     prepared: Prepared,
     network_namespace: bool,
     runs_programs: bool,
+    anchor: tuple[int, int] | None = None,
 ) -> list[landlock.Ruleset]:
-    """The Landlock domains to enter, rules added; none where Landlock is absent."""
+    """The Landlock domains to enter, rules added; none where Landlock is absent.
+
+    ``anchor``: what the workspace was when reached without a symlink (workers.paths.reach).
+    Its rule must hold that same directory: a rule holds the inode its path named when opened,
+    so a folder swapped for a symlink to ``/`` in between would grant ``/``."""
     box = ctx.sandbox
     abi = landlock.abi_version()
     offline = not box.network and runs_programs  # a file tool opens no socket
@@ -451,7 +470,9 @@ def _rulesets(
                 if not within(path, roots):  # /usr/bin is granted with /usr already
                     ruleset.allow_path(path, READ)
             ruleset.allow_path("/proc", PROC)  # after the mounts: the private /proc, if any
-        add_file_rules(ruleset, ctx.workspace, box)
+        granted = add_file_rules(ruleset, ctx.workspace, box)
+        if anchor is not None and box.view is None and granted.get(ctx.workspace) != anchor:
+            raise SandboxError(f"the workspace {ctx.workspace} changed while it was confined")
         if not runs_programs:
             add_lock_rule(ruleset, box)
         if tmpdir is not None:
