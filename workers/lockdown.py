@@ -113,7 +113,12 @@ def _bind_masks(scratch: str, fds: Iterable[int]) -> None:
         _libc.set_read_only(scratch, recursive=False)
         for fd in fds:
             mask = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
-            _libc.mount(f"{scratch}/{mask}", f"/proc/self/fd/{fd}", None, _libc.MS_BIND, None)
+            try:
+                _libc.mount(f"{scratch}/{mask}", f"/proc/self/fd/{fd}", None, _libc.MS_BIND, None)
+            except FileNotFoundError:
+                # Removed since it was opened (the pool's journal, which its writer re-creates
+                # under its own lock): nothing is left there to cover.
+                continue
     finally:
         _libc.umount(scratch, _libc.MNT_DETACH)
 
