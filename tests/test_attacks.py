@@ -125,6 +125,24 @@ async def test_a_timed_out_call_keeps_no_hook_either(
 
 
 @needs_root
+async def test_a_git_file_a_call_makes_cannot_point_git_at_its_hooks(
+    pool: Pool, workspace: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "hook-ran"
+    command = (
+        f"mkdir elsewhere && cd elsewhere && git init -q . && {' '.join(_GIT)} commit -q"
+        f" --allow-empty -m first && {_hook(marker)} > .git/hooks/pre-commit && chmod +x"
+        " .git/hooks/pre-commit && cd .. && echo 'gitdir: elsewhere/.git' > .git && echo made"
+    )
+    value = await bash(pool, command)
+    assert value["stdout"] == "made\n", value
+    assert [e["path"] for e in value["protected_set_aside"]] == [".git"], value
+    assert not (workspace / ".git").exists()
+    _host_commit(workspace)  # not a repository any more: whatever git says, no hook runs
+    assert not marker.exists()
+
+
+@needs_root
 async def test_a_call_cannot_disarm_its_worker_before_the_hook_is_set_aside(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
