@@ -152,8 +152,9 @@ AbsolutePath = Annotated[str, Meta(pattern="^/")]
 
 #: What a call may not change unless the config says otherwise: a git hook or a git config
 #: (core.hooksPath, core.fsmonitor, aliases...) planted in the workspace runs at the user's next
-#: git command, outside any sandbox.
-DEFAULT_PROTECTED = (".git/hooks/**", ".git/config")
+#: git command, outside any sandbox; so does a ``.git/commondir``, which makes git take its
+#: config and hooks from whatever directory it names.
+DEFAULT_PROTECTED = (".git/hooks/**", ".git/config", ".git/commondir")
 
 
 class SandboxSettings(_Section):

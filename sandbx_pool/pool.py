@@ -60,7 +60,7 @@ from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
-from sandbx_pool.journal.prune import prune_default_journals
+from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
 from sandbx_pool.journal.records import JOURNAL_REFUSED, IntentRecord
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.journal.writer import JournalWriteError
@@ -188,6 +188,7 @@ class Pool:
                 self.journal = await Journal.open(journal_path, self.config.journal)
                 # Its writer's own synchronous stop (it flushes what is queued, then closes).
                 self._remains.stoppers.append(self.journal._writer.stop_at_exit)
+                self._hide_journal(self.journal.path)
             if self._journal_path is None and self.journal is not None:
                 logger.info("journal: {}", self.journal.path)
             endpoint = f"ipc://{self._runtime_dir}/coordinator.sock"
@@ -229,6 +230,15 @@ class Pool:
         samples): its calls must not queue behind a pool sized for fewer."""
         self.max_workers = max(self.max_workers, calls)
         self._workers.widen(self.max_workers)
+
+    def _hide_journal(self, path: str) -> None:
+        """Out of every call's reach, wherever it lies: `run --journal run.jsonl` in the
+        workspace is common, and a call must not read, truncate, forge or lock it. (Its real
+        path: the workers compare resolved paths. The journal's directory was just opened.)"""
+        assert self._sandbox is not None
+        journal_file = os.path.realpath(path)
+        hidden = (*self._sandbox.hidden, journal_file, journal_file + LOCK_SUFFIX)
+        self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
 
     def _fresh_default_journal(self) -> str:
         """A new journal path at the default location, its stale predecessors pruned first."""
@@ -578,6 +588,7 @@ class Pool:
             sandbox=sandbox,
             keep_output_bytes=self.config.calls.keep_output_bytes,
             grace_s=self.config.calls.grace_s,
+            workspace_root=self.workspace,
         )
 
     def _max_output_bytes(self, tool: str) -> int:

@@ -292,12 +292,18 @@ async def test_tmpdirs_are_private_and_bounded(workspace: Path) -> None:
 # -- protected paths -----------------------------------------------------------------------------
 
 
+def _git_init(workspace: Path) -> None:
+    subprocess.run(["git", "init", "-q", "."], cwd=workspace, check=True)
+
+
 @needs_root
 async def test_bash_cannot_change_protected_paths_and_git_still_works(
     pool: Pool, workspace: Path
 ) -> None:
     git = "git -c user.email=t@example.com -c user.name=t"
-    await bash(pool, f"git init -q . && echo one > a && {git} add a && {git} commit -qm one")
+    # The user's repository: one a call makes keeps no config or hooks (tests/test_attacks.py).
+    _git_init(workspace)
+    await bash(pool, f"echo one > a && {git} add a && {git} commit -qm one")
     config = (workspace / ".git" / "config").read_bytes()
     attacks = [
         "printf '#!/bin/sh\\ntouch /tmp/pwned\\n' > .git/hooks/pre-commit",

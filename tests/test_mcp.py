@@ -312,6 +312,15 @@ async def test_failed_outcomes_are_tool_errors_naming_their_status(server: Serve
     assert text_of(bad_args).startswith("error: bad arguments")
 
 
+async def test_a_client_cannot_choose_the_user_a_call_runs_as(server: ServerSetup) -> None:
+    async with connect(server) as (session, _):
+        for tool, args in [("bash", {"command": "id -u"}), ("read", {"path": "hello.txt"})]:
+            with pytest.raises(MCPError, match="'user' is not an argument"):
+                await session.call_tool(tool, {**args, "user": "nobody"})
+        still = await session.call_tool("bash", {"command": "id -u"})
+    assert not still.is_error
+
+
 async def test_an_unknown_tool_is_a_protocol_error(server: ServerSetup) -> None:
     async with connect(server) as (session, _):
         with pytest.raises(MCPError, match="unknown tool 'teleport'") as caught:

@@ -1,9 +1,9 @@
 """The system calls Python's ``os`` lacks, through ctypes: one libc handle, one way to fail.
 
-prctl, unshare, setns, mount and raw syscall(2), with the constants their callers name. Each
-wrapper raises ``OSError`` with the errno and the call's name, except the ``try_`` forms, which
-return the errno (0 on success) for callers that treat a refusal as an answer ("not permitted
-here"), not an error. A leaf module: it imports nothing of sandbx-pool.
+prctl, unshare, setns, mount, fallocate and raw syscall(2), with the constants their callers
+name. Each wrapper raises ``OSError`` with the errno and the call's name, except the ``try_``
+forms, which return the errno (0 on success) for callers that treat a refusal as an answer ("not
+permitted here"), not an error. A leaf module: it imports nothing of sandbx-pool.
 
 ``bare_fork`` keeps a handle of its own: it needs ``ctypes.PyDLL`` (the GIL held across fork),
 which no other call here wants.
@@ -61,6 +61,19 @@ _AT_RECURSIVE = 0x8000
 #: pivot_root(2) has no libc wrapper: its number is x86_64's own, and the generic table's on the
 #: newer architectures.
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41}
+
+
+#: fallocate(2) mode: allocate blocks past the end without changing the file's size.
+FALLOC_FL_KEEP_SIZE = 1
+
+
+def try_fallocate(fd: int, mode: int, offset: int, length: int) -> int:
+    """fallocate(2) (os.posix_fallocate has no mode); the errno, 0 on success."""
+    function = _libc.fallocate
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if function(fd, mode, offset, length) != 0:
+        return ctypes.get_errno()
+    return 0
 
 
 def _failed(what: str) -> OSError:

@@ -71,19 +71,26 @@ def prepare() -> None:
         glob.glob(pattern)
 
 
-def mask_secrets(scratch: str) -> list[str]:
+def mask_secrets(scratch: str, also: Iterable[str] = ()) -> list[str]:
     """Cover each existing ``masks()`` path with an empty, mode-0, read-only file or directory:
     a capless uid 0 can neither open it (no CAP_DAC_OVERRIDE), chmod it (EROFS) nor unmount it
     (no CAP_SYS_ADMIN). ``scratch``, a directory briefly covered in this namespace only, holds
-    the two masks. Returns the paths covered. Only in a mount namespace of the call's own."""
+    the two masks. ``also``: more paths to cover the same way, in the same step. Returns the
+    paths covered. Only in a mount namespace of the call's own."""
+    secrets = [path for pattern in masks() for path in sorted(glob.glob(pattern))]
+    return mask(scratch, [*secrets, *also])
+
+
+def mask(scratch: str, paths: Iterable[str]) -> list[str]:
+    """Cover each of ``paths`` that exists as ``mask_secrets`` does (also the pool's journal:
+    a call can then neither read, truncate, rename nor remove it, wherever it lies)."""
     targets: dict[str, int] = {}
     try:
         # Each target is held open (O_PATH) and mounted on through /proc/self/fd: the scratch
         # tmpfs cannot hide it, nor a symlink swapped in meanwhile redirect the mask.
-        for pattern in masks():
-            for path in sorted(glob.glob(pattern)):
-                with contextlib.suppress(OSError):  # a dangling symlink: nothing behind it
-                    targets[path] = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        for path in paths:
+            with contextlib.suppress(OSError):  # a dangling symlink: nothing behind it
+                targets[path] = os.open(path, os.O_PATH | os.O_CLOEXEC)
         if targets:
             _bind_masks(scratch, targets.values())
     finally:
@@ -106,7 +113,12 @@ def _bind_masks(scratch: str, fds: Iterable[int]) -> None:
         _libc.set_read_only(scratch, recursive=False)
         for fd in fds:
             mask = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
-            _libc.mount(f"{scratch}/{mask}", f"/proc/self/fd/{fd}", None, _libc.MS_BIND, None)
+            try:
+                _libc.mount(f"{scratch}/{mask}", f"/proc/self/fd/{fd}", None, _libc.MS_BIND, None)
+            except FileNotFoundError:
+                # Removed since it was opened (the pool's journal, which its writer re-creates
+                # under its own lock): nothing is left there to cover.
+                continue
     finally:
         _libc.umount(scratch, _libc.MNT_DETACH)
 

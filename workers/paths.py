@@ -50,6 +50,11 @@ def resolve(ctx: ExecutionContext, path: str) -> str:
     real = os.path.realpath(joined)
     if not is_within(real, workspace):
         raise Denied(f"path {path!r} resolves outside the workspace ({real})")
+    for hidden in ctx.sandbox.hidden:
+        # The pool's own files (its journal, which may lie in the workspace): bash's mount
+        # namespace covers them, the file tools refuse them here.
+        if is_within(real, hidden) and not is_within(workspace, hidden):
+            raise Denied(f"path {path!r} is the pool's own ({hidden}): no call may use it")
     return real
 
 
@@ -110,6 +115,37 @@ def open_directory(
             ancestors.append(fd)
         fd = child
     return fd
+
+
+def reach(root: str | None, target: str) -> tuple[int, int] | None:
+    """The (device, inode) of ``target``, a directory lexically below the pool's workspace
+    ``root``, reached from ``root`` one name at a time, ``O_NOFOLLOW``; None when there is
+    nothing to check (no root, ``/``, or ``target`` not below it). Raises Denied when a name on
+    the way is a symlink or not a directory, OSError as it comes.
+
+    A call's own workspace (a batch line's ``workspace``, Ray's) or view is a folder of the
+    pool's, checked lexically by the coordinator: an earlier call running at the root could
+    have made that folder a symlink to ``/``, and the call would then be confined to ``/``.
+    The pool's root itself is the user's choice, symlinks and all; so is ``/`` (Ray's node
+    pools, whose calls all name absolute workspaces)."""
+    if root is None or root == "/" or not is_within(target, root) or target == root:
+        return None
+    names = os.path.relpath(target, root).split(os.sep)
+    fd = os.open(root, DIRECTORY_FLAGS | _PATH)
+    try:
+        for name in names:
+            try:
+                child = os.open(name, DIRECTORY_FLAGS | _PATH, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise Denied(f"{target} is reached through a symlink below {root}") from exc
+                raise
+            os.close(fd)
+            fd = child
+        found = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return (found.st_dev, found.st_ino)
 
 
 @functools.lru_cache(maxsize=8)

@@ -85,6 +85,9 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: The coordinator's SIGTERM grace (CallSettings.grace_s): a stopped bash call answers with
     #: the output it has before the SIGKILL that follows (workers.stopping).
     grace_s: float = 1.0
+    #: The pool's own workspace. A call's ``workspace`` or view below it is reached from it one
+    #: name at a time, never through a symlink an earlier call planted (workers.paths.reach).
+    workspace_root: str | None = None
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):

@@ -14,7 +14,7 @@ kernel's, set up by the worker itself in two stages::
     |                       processes, an empty mount over the coordinator's socket directory,
     |                       root's secrets masked and kernel files read-only (workers.lockdown),
     |                       a private /dev/shm, the TMPDIRs' parent a tmpfs of the call's own,
-    |                       the protected paths read-only
+    |                       the protected paths read-only (workers.protected)
     |   TMPDIR *            a private directory for this call, set in bash's environment
     |   IPC namespace *     SysV and POSIX IPC objects of its own
     |   network = false *   a network namespace of its own
@@ -50,9 +50,9 @@ import os
 
 import msgspec
 
-from sandbx_pool.workers import _libc, landlock, lockdown, seccomp, users, view
+from sandbx_pool.workers import _libc, landlock, lockdown, paths, protected, seccomp, users, view
 from sandbx_pool.workers.containment import in_own_pid_namespace
-from sandbx_pool.workers.errors import ToolError
+from sandbx_pool.workers.errors import Denied, ToolError
 from sandbx_pool.workers.protocol import Call, ExecutionContext, Sandbox
 from sandbx_pool.workers.rules import (
     PROC,
@@ -161,8 +161,11 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
     try:
         _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
         network_namespace = False
+        # A folder of the pool's workspace, reached without a symlink: what the rules (or the
+        # view) are then checked to have been built on, whatever a parallel call swaps meanwhile.
+        anchor = paths.reach(ctx.workspace_root, box.view or ctx.workspace)
         if box.view is not None:
-            _enter_view(box, owner)
+            _enter_view(box, owner, anchor)
         if runs_programs:
             private = box.view is not None or _private_mounts(
                 box,
@@ -197,7 +200,9 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             # A file tool in a view is held to file modes as the view's commands are: a capless
             # uid 0 cannot read a file it chmod'ed -r, as in a container whose root it is not.
             lockdown.lock_out_root(prepared.last_cap)
-        rulesets = _rulesets(call.context, tmpdir, prepared, network_namespace, runs_programs)
+        rulesets = _rulesets(
+            call.context, tmpdir, prepared, network_namespace, runs_programs, anchor
+        )
         if box.uid is not None:
             os.setgroups(list(box.groups))
             os.setgid(box.gid if box.gid is not None else box.uid)
@@ -216,11 +221,13 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             ruleset.restrict_self()
         if runs_programs and seccomp.supported():
             seccomp.install()
-    except (OSError, SandboxError) as exc:
+    except (OSError, SandboxError, Denied) as exc:
         if tmpdir is not None:
             remove_tree(tmpdir)
         if isinstance(exc, SandboxError):
             raise
+        if isinstance(exc, Denied):
+            raise SandboxError(f"not confined: {exc}") from exc
         raise SandboxError(f"cannot confine the call: {exc}") from exc
     return Confinement(call, tmpdir)
 
@@ -335,15 +342,21 @@ def _private_mounts(
         # Refused in some containers (a masked /proc): the host's /proc it is, then.
         with contextlib.suppress(OSError):
             _libc.mount("proc", "/proc", "proc", flags, None)
+    hidden_files = []  # the journal and its lock (which may lie in the workspace)
     for path in box.hidden:
         real = os.path.realpath(path)
-        if not os.path.isdir(real) or any(n and within(n, [real]) for n in needed):
+        if not os.path.isdir(real):
+            hidden_files.append(real)
+            continue
+        if any(n and within(n, [real]) for n in needed):
             continue  # never hide what the call must use
         with contextlib.suppress(OSError):  # the secret and the pid check still hold
             _libc.mount("sandbx-hidden", real, "tmpfs", flags | _libc.MS_RDONLY, "size=4k,mode=000")
+    scratch = box.tmp_root if box.tmp_root and os.path.isdir(box.tmp_root) else "/tmp"
     if not box.keep_root or box.view is not None:
-        scratch = box.tmp_root if box.tmp_root and os.path.isdir(box.tmp_root) else "/tmp"
-        lockdown.mask_secrets(scratch)
+        lockdown.mask_secrets(scratch, also=hidden_files)
+    elif hidden_files:
+        lockdown.mask(scratch, hidden_files)
     lockdown.read_only_kernel_files()
     lockdown.private_dev_shm()
     if ctx is None:
@@ -352,23 +365,31 @@ def _private_mounts(
         uid, gid = owner[:2] if owner is not None else (os.getuid(), os.getgid())
         options = f"size={box.tmp_size_mb}m,mode=0700,uid={uid},gid={gid}"
         _libc.mount("sandbx-tmp", box.tmp_root, "tmpfs", _libc.MS_NOSUID | _libc.MS_NODEV, options)
-    protect(ctx.workspace, box.protected)
+    protected.protect(ctx.workspace, box.protected)
+    protected.pin_directories_above(ctx.workspace, hidden_files)
     if no_symlinks:
         _follow_no_symlinks(ctx.workspace)
     return True
 
 
-def _enter_view(box: Sandbox, owner: Identity | None) -> None:
+def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | None) -> None:
     """The mount namespace a view needs (workers.sandbox's own steps first: /proc, secrets,
     kernel files), then the view itself (workers.view). A view is never entered without them:
-    where no mount namespace can be made (a pool not run as root) the call is refused."""
+    where no mount namespace can be made (a pool not run as root) the call is refused.
+
+    ``anchor``: the view's directory as reached without a symlink from the pool's workspace
+    (workers.paths.reach). The root entered must be that directory: a view swapped for a
+    symlink to ``/`` after the walk would otherwise be entered."""
     assert box.view is not None
     if not _private_mounts(box, None, owner, [box.view]):
         raise SandboxError("a view needs a mount namespace of the call's own: run the pool as root")
     try:
         view.enter(box.view)
+        entered = os.stat("/")
     except OSError as exc:
         raise SandboxError(f"cannot enter the view {box.view}: {exc}") from exc
+    if anchor is not None and (entered.st_dev, entered.st_ino) != anchor:
+        raise SandboxError(f"the view {box.view} changed while it was entered")
 
 
 def _follow_no_symlinks(workspace: str) -> None:
@@ -386,39 +407,6 @@ def _follow_no_symlinks(workspace: str) -> None:
         _libc.set_no_symlinks(root)
     except OSError:
         return
-
-
-def protect(workspace: str, patterns: tuple[str, ...]) -> list[str]:
-    """Bind each protected path that exists read-only onto itself (in our mount namespace).
-
-    A pattern is bound at its fixed prefix, the components before the first wildcard:
-    ``.git/hooks/**`` makes ``.git/hooks`` read-only, hooks to come included; ``.git/config``
-    is the file itself. A read-only bind cannot be removed, renamed over or unmounted without
-    CAP_SYS_ADMIN, so the command gets EROFS or EBUSY. A pattern with no fixed prefix
-    (``*.pem``) would cover the whole workspace: only the write and edit tools enforce it. A
-    protected path that does not exist when the call starts (a repository the call itself
-    creates) is not covered during that call. Returns the paths made read-only.
-    """
-    root = os.path.realpath(workspace)
-    covered: list[str] = []
-    for pattern in patterns:
-        fixed = []
-        for part in pattern.strip("/").split("/"):
-            if any(c in part for c in "*?["):
-                break
-            fixed.append(part)
-        if not fixed:
-            continue
-        path = os.path.realpath(os.path.join(root, *fixed))
-        if path == root or not within(path, [root]) or not os.path.lexists(path):
-            continue
-        try:
-            _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)
-            _libc.set_read_only(path, recursive=True)
-        except OSError:
-            continue
-        covered.append(path)
-    return covered
 
 
 def _program_dirs(env: dict[str, str]) -> list[str]:
@@ -449,8 +437,13 @@ def _rulesets(
     prepared: Prepared,
     network_namespace: bool,
     runs_programs: bool,
+    anchor: tuple[int, int] | None = None,
 ) -> list[landlock.Ruleset]:
-    """The Landlock domains to enter, rules added; none where Landlock is absent."""
+    """The Landlock domains to enter, rules added; none where Landlock is absent.
+
+    ``anchor``: what the workspace was when reached without a symlink (workers.paths.reach).
+    Its rule must hold that same directory: a rule holds the inode its path named when opened,
+    so a folder swapped for a symlink to ``/`` in between would grant ``/``."""
     box = ctx.sandbox
     abi = landlock.abi_version()
     offline = not box.network and runs_programs  # a file tool opens no socket
@@ -478,7 +471,9 @@ def _rulesets(
                 if not within(path, roots):  # /usr/bin is granted with /usr already
                     ruleset.allow_path(path, READ)
             ruleset.allow_path("/proc", PROC)  # after the mounts: the private /proc, if any
-        add_file_rules(ruleset, ctx.workspace, box)
+        granted = add_file_rules(ruleset, ctx.workspace, box)
+        if anchor is not None and box.view is None and granted.get(ctx.workspace) != anchor:
+            raise SandboxError(f"the workspace {ctx.workspace} changed while it was confined")
         if not runs_programs:
             add_lock_rule(ruleset, box)
         if tmpdir is not None:

@@ -16,7 +16,9 @@ root's power. What remains is reachable without any capability, which this filte
   06000 bits. The owner of a file (root, of what root makes) needs no capability for these.
   mkdir needs no rule: the kernel drops those bits from its mode;
 * packet sockets (AF_PACKET: a copy of every frame on an interface, loopback included) and
-  TIOCSTI (typing into the terminal of whoever reads it next).
+  TIOCSTI (typing into the terminal of whoever reads it next);
+* prlimit64 on another process: the call's own worker, whose limits it could lower until the
+  worker fails at its last step after the command (workers.protected).
 
 clone3 and openat2 fail with ENOSYS, not EPERM: their flags and mode lie in memory the filter
 cannot read, and on ENOSYS glibc falls back to clone and openat, which it can. (On EPERM glibc
@@ -82,6 +84,7 @@ _NUMBERS: dict[str, tuple[int, int]] = {
     "mknodat": (259, 33),
     "socket": (41, 198),
     "ioctl": (16, 29),
+    "prlimit64": (302, 261),
 }
 
 
@@ -116,6 +119,10 @@ _RULES = [
     _Rule("mknodat", EPERM, (("any", 2, _SETID),)),
     _Rule("socket", EPERM, (("eq", 0, _AF_PACKET),)),  # netlink stays: ip and ss need it
     _Rule("ioctl", EPERM, (("eq", 1, _TIOCSTI),)),
+    # Another process's limits (pid, argument 0, not 0): a command could lower its worker's
+    # descriptors or CPU time, and the worker could then not set aside what the call made of a
+    # protected path (workers.protected). Its own limits (ulimit, setrlimit) stay its own.
+    _Rule("prlimit64", EPERM, (("any", 0, 0xFFFFFFFF),)),
 ]
 
 Program = tuple[tuple[int, int, int, int], ...]  # (code, jt, jf, k)

@@ -227,6 +227,10 @@ async def run_batch(
     queue = iter(todo)
     held = set(doubtful)  # in doubt, or after a call in doubt: not run
     halt = asyncio.Event()  # our own reason to stop: the pool failed under us
+    # Opened once: each output file is made relative to it (_output_file says why).
+    outputs = None
+    if output_dir is not None:
+        outputs = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def stopping() -> bool:
         return halt.is_set() or (stop is not None and stop.is_set())
@@ -248,7 +252,7 @@ async def run_batch(
                     continue
                 if on_submit is not None:
                     on_submit(spec)
-                sink = _output_file(output_dir, spec)
+                sink = _output_file(outputs, spec)
                 extra: dict[str, Any] = {}
                 if isinstance(pool, Pool):
                     extra["on_output"] = sink.write if sink is not None else None
@@ -289,6 +293,8 @@ async def run_batch(
             for number in range(min(parallel, len(todo))):
                 lanes.create_task(lane(), name=f"batch-lane-{number}")
     finally:
+        if outputs is not None:
+            os.close(outputs)
         report.wall_s = time.monotonic() - report.started_at
         report.stopped = stop is not None and stop.is_set()
     return report
@@ -300,8 +306,8 @@ class _OutputFile:
     Written from the loop: a local append of a paced stream (workers.streaming) is brief, and
     this is the user's own directory, not the workspace the coordinator must never touch."""
 
-    def __init__(self, path: str) -> None:
-        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
+    def __init__(self, fd: int) -> None:
+        self._file = open(fd, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
 
     def write(self, chunk: OutputChunk) -> None:
         self._file.write(chunk.display())
@@ -311,9 +317,37 @@ class _OutputFile:
         self._file.close()
 
 
-def _output_file(directory: str | os.PathLike[str] | None, spec: CallSpec) -> _OutputFile | None:
+#: How an output file is made: a new file, never through a symlink or into a FIFO.
+_OUTPUT_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _output_file(directory: int | None, spec: CallSpec) -> _OutputFile | None:
+    """``CALL_ID.out`` made afresh in the output directory (its descriptor, opened once).
+
+    The directory may lie in the workspace, where an earlier call can plant ``CALL_ID.out``
+    as a symlink to any file the coordinator's user may write (its content would then be the
+    next call's output): whatever is there is removed, never opened, and the file made with
+    O_EXCL relative to the directory's descriptor, so neither a symlink there nor the directory
+    swapped for one redirects it. A file that cannot be made costs the call its file (logged),
+    not its run."""
     if directory is None or spec.tool != "bash":
         return None
     # A call id is the user's text: keep it to one harmless file name.
     name = re.sub(r"[^A-Za-z0-9._-]", "_", spec.call_id).lstrip(".") or "call"
-    return _OutputFile(os.path.join(directory, f"{name}.out"))
+    name = f"{name}.out"
+    for _ in range(3):  # a call still planting in parallel gets a few tries, not a loop
+        try:
+            return _OutputFile(os.open(name, _OUTPUT_FLAGS, 0o644, dir_fd=directory))
+        except FileExistsError:
+            try:
+                os.unlink(name, dir_fd=directory)  # the entry itself, symlink or file
+            except FileNotFoundError:
+                continue
+            except OSError as exc:  # a directory planted there
+                logger.warning("output of {}: cannot replace {}: {}", spec.call_id, name, exc)
+                return None
+        except OSError as exc:
+            logger.warning("output of {}: cannot make {}: {}", spec.call_id, name, exc)
+            return None
+    logger.warning("output of {}: {} keeps being re-made; no output file", spec.call_id, name)
+    return None

@@ -162,6 +162,12 @@ class ToolServer:
         if params.name not in TOOL_ARGS:
             known = ", ".join(TOOL_ARGS)
             raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r} (known: {known})")
+        arguments = params.arguments or {}
+        if "user" in arguments:
+            # Who a call runs as is the operator's choice ([sandbox] run_as), never the
+            # client's: a model naming a service account would get that account's files. The
+            # listed schemas do not offer it (tool_definitions.INTEGRATION_ONLY).
+            raise MCPError(types.INVALID_PARAMS, f"{params.name}: 'user' is not an argument here")
         token = CancelToken()
         progress_token = (ctx.meta or {}).get("progress_token")
         progress = (
@@ -172,7 +178,7 @@ class ToolServer:
         call = asyncio.create_task(
             self.pool.call(
                 params.name,
-                params.arguments or {},
+                arguments,
                 timeout=self.timeout,
                 cancel=token,
                 on_output=progress.add if progress is not None else None,

@@ -176,19 +176,31 @@ def _too_long(text: str, limit: int) -> bool:
     return len(text.encode("utf-8", "surrogatepass")) > limit
 
 
-def summarize(value: Any, limit: int) -> Any:
+#: Containers nested deeper than this in a call's arguments are journaled as ``NESTED_TOO_DEEP``.
+#: Arguments are journaled before they are validated (a refused call has an intent too), on the
+#: writer thread: a model's argument nested 100,000 deep must cost its call a note, not kill the
+#: writer with a RecursionError (every later intent would then wait for it forever). No tool's
+#: arguments come near this depth.
+MAX_ARGS_DEPTH: Final = 32
+NESTED_TOO_DEEP: Final = {"summary": True, "nested_too_deeply": True}
+
+
+def summarize(value: Any, limit: int, depth: int = 0) -> Any:
     """``value`` with every string over ``limit`` UTF-8 bytes replaced by its digest.
 
-    Descends into dicts, lists and tuples; everything else is returned as is.
+    Descends into dicts, lists and tuples (at most ``MAX_ARGS_DEPTH`` levels); everything else
+    is returned as is.
     """
     if isinstance(value, str):
         return digest(value) if _too_long(value, limit) else value
     if isinstance(value, bytes | bytearray):
         return digest(bytes(value)) if len(value) > limit else bytes(value)
+    if isinstance(value, dict | list | tuple) and depth >= MAX_ARGS_DEPTH:
+        return dict(NESTED_TOO_DEEP)
     if isinstance(value, dict):
-        return {key: summarize(item, limit) for key, item in value.items()}
+        return {key: summarize(item, limit, depth + 1) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [summarize(item, limit) for item in value]
+        return [summarize(item, limit, depth + 1) for item in value]
     return value
 
 

@@ -29,7 +29,9 @@ with ``JournalWriteError`` (the path and the errno): their intents are not durab
 does not run those calls. A partial write is cut back off the file, so the next record never
 lands glued to half a line, and the records it did not write go first in the next batch. The
 next batch tries again from scratch: once the disk has room again, the journal works again
-without being reopened, and no outcome is lost to the outage.
+without being reopened, and no outcome is lost to the outage. Room for the next few thousand
+records is kept allocated past the file's end (RESERVE_BYTES), so the outage starts only once
+that is used up: one call that fills the disk does not stop the batch's side effects with it.
 
 Before each batch the writer also checks that the path still names the file it holds open
 (device, inode, link count) and that nobody cut the file shorter. A journal removed or replaced
@@ -66,6 +68,7 @@ from sandbx_pool.journal.records import (
     encoder,
 )
 from sandbx_pool.logs import logger
+from sandbx_pool.workers import _libc
 
 #: Most entries the writer takes into one batch. Bounds how long the first waiter of a burst
 #: waits for its fsync while the thread encodes the rest.
@@ -74,6 +77,13 @@ MAX_BATCH: Final = 4096
 #: Most bytes of records kept for the next batch while writes fail (a full disk): past it, a
 #: long outage drops them (logged) rather than growing the coordinator without bound.
 MAX_UNWRITTEN_BYTES: Final = 64 * 1024 * 1024
+
+#: Disk space kept allocated past the journal's end (fallocate, KEEP_SIZE: the file does not
+#: grow): when a call fills the disk the journal is on (a workspace on the same filesystem is
+#: the common case), records still land in it, about 8,000 calls' worth, instead of every
+#: later side effect being refused at once. Topped up once half is used, released at close;
+#: where the disk has no room for it even at open, a full disk refuses side effects at once.
+RESERVE_BYTES: Final = 8 * 1024 * 1024
 
 #: Longest a batch nobody waits on goes without checking that the journal is still at its path
 #: (records that could land in a removed file meanwhile are those of read-only calls and
@@ -127,6 +137,8 @@ class JournalWriter:
         # Bytes of the file known to be whole records: where a failed write is cut back to,
         # and what a shorter file (truncated under us) is measured against.
         self._size = os.fstat(fd).st_size
+        # Where the blocks fallocate() keeps for us past the end stop (0: none kept).
+        self._reserved_to = 0
         self._checked_at = time.monotonic()
         # The intent and started lines of calls without an outcome yet: what a re-created
         # journal starts with. Only this thread touches it.
@@ -190,6 +202,7 @@ class JournalWriter:
         stop_waiters: list[Waiter] = []
         waiting: list[Waiter] = []  # released at the next fsync (or the next failure)
         try:
+            self._reserve()
             while not self._stopping:
                 deadline = None if unsynced_since is None else unsynced_since + self._delay
                 entries = self._take(deadline)
@@ -243,6 +256,7 @@ class JournalWriter:
                 else:
                     if buffer and self.failure is not None:
                         self._recovered()
+                    self._reserve()
                 if error is not None or unsynced_since is None:
                     for waiter in waiting:
                         settle(waiter, error)
@@ -277,7 +291,7 @@ class JournalWriter:
         record = make()
         try:
             encoder.encode_into(record, buffer, -1)
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
             # Arguments or a value JSON cannot hold (a file name that is not UTF-8): keep the
             # record and say why its payload is missing, rather than lose the call.
             del buffer[start:]
@@ -311,6 +325,32 @@ class JournalWriter:
                 os.ftruncate(self._fd, self._size)
             raise self._error("write", exc) from exc
         self._size += len(data)
+
+    def _reserve(self) -> None:
+        """Keep RESERVE_BYTES allocated past the end, topped up once half of it is used."""
+        if self._size + RESERVE_BYTES // 2 < self._reserved_to:
+            return
+        mode = _libc.FALLOC_FL_KEEP_SIZE
+        code = _libc.try_fallocate(self._fd, mode, self._size, RESERVE_BYTES)
+        if code == 0:
+            self._reserved_to = self._size + RESERVE_BYTES
+        elif self._reserved_to == 0 and code not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            # Once per journal, not per batch: a disk too full for it already will be retried
+            # quietly at every batch.
+            self._reserved_to = -1
+            logger.warning(
+                "journal {}: no room kept past its end ({}): a full disk refuses side effects"
+                " at once",
+                self.path,
+                os.strerror(code),
+            )
+
+    def _release_reserve(self) -> None:
+        # Truncating to the current size frees the blocks kept past it (ext4, xfs, tmpfs);
+        # hole punching past the end does not on ext4.
+        if self._reserved_to != 0:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, os.fstat(self._fd).st_size)
 
     def _sync(self, what: str, sync: Callable[[int], None], fd: int) -> None:
         try:
@@ -385,16 +425,21 @@ class JournalWriter:
         logger.warning("journal {}: its lock file was removed; re-created and locked", self.path)
 
     def _recreate(self, how: str) -> None:
-        self._check_lock()
         directory = os.path.dirname(self.path)
         try:
+            # Before the lock: it lives in the same directory, which may have gone too.
             os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise self._error(f"re-create (it was {how})", exc) from exc
+        self._check_lock()
+        try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise self._error(f"re-create (it was {how})", exc) from exc
         old, self._fd = self._fd, fd
         with contextlib.suppress(OSError):
             os.close(old)
+        self._reserved_to = 0  # the new file's is made after the next batch
         logger.error(
             "journal {} was {} under the pool: re-created it, starting with the {} call(s) in"
             " flight",
@@ -473,6 +518,7 @@ class JournalWriter:
                     leftovers.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+        self._release_reserve()
         for fd in (self._fd, self._lock_fd):  # the journal first, then the lock that guards it
             try:
                 os.close(fd)

@@ -37,7 +37,7 @@ import subprocess
 import time
 from typing import IO, Any
 
-from sandbx_pool.workers import stopping, streaming, users
+from sandbx_pool.workers import protected, stopping, streaming, users
 from sandbx_pool.workers.containment import kill_descendants
 from sandbx_pool.workers.errors import OutputLimitExceeded, ToolError
 from sandbx_pool.workers.paths import resolve
@@ -314,6 +314,9 @@ def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
     raises OutputLimitExceeded carrying the output until the kill; a stop request returns the
     output so far (the runtime marks the Result ``stopped``).
     """
+    # Protected paths the command could create, with nothing there yet to hold read-only:
+    # whatever it makes of them is set aside once it and all it started are dead.
+    missing = protected.absent(ctx.workspace, ctx.sandbox.protected)
     try:
         proc = _start(args, ctx)
     except _ExecFailed as failed:
@@ -328,27 +331,34 @@ def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
         }
     output = _Output(ctx.keep_output_bytes, ctx.max_output_bytes)
     stdin = args.stdin.encode("utf-8") if args.stdin is not None else args.stdin_bytes
+    set_aside: list[dict[str, str]] = []
     try:
         _pump(proc, output, stdin, grace_s=ctx.grace_s)
     except OutputLimitExceeded as exc:
         _stop(proc)
-        raise OutputLimitExceeded(str(exc), value=_value(proc, output)) from None
+        set_aside = protected.set_aside_created(ctx.workspace, missing)
+        value = _value(proc, output, set_aside)
+        raise OutputLimitExceeded(str(exc), value=value) from None
     except _Stopped:
         pass  # killed below; the value is what came until then
     finally:
         # Normally a no-op by now (bash reaped, leftovers killed); after an error, the output
         # limit or a stop it is the kill. Either way nothing outlives the call.
         _stop(proc)
+        if missing and not set_aside:
+            set_aside = protected.set_aside_created(ctx.workspace, missing)
         _drain(proc, output)
         if streaming.current is not None:
             streaming.current.flush(final=True)
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None and not pipe.closed:
                 pipe.close()
-    return _value(proc, output)
+    return _value(proc, output, set_aside)
 
 
-def _value(proc: subprocess.Popen[bytes], output: _Output) -> dict[str, Any]:
+def _value(
+    proc: subprocess.Popen[bytes], output: _Output, set_aside: list[dict[str, str]]
+) -> dict[str, Any]:
     assert proc.returncode is not None
     exit_code, signal_number = _exit_status(proc.returncode)
     stdout, omitted_out = output.streams["stdout"].text()
@@ -359,4 +369,6 @@ def _value(proc: subprocess.Popen[bytes], output: _Output) -> dict[str, Any]:
         "stdout": stdout,
         "stderr": stderr,
         "omitted_bytes": omitted_out + omitted_err,
+        # Only when it happened: protected paths the command made, renamed aside.
+        **({"protected_set_aside": set_aside} if set_aside else {}),
     }
