@@ -24,8 +24,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
