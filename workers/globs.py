@@ -81,3 +81,13 @@ def translate_parts(parts: list[str]) -> str:
             if not last:
                 out.append("/")
     return "".join(out)
+
+
+def name_glob(pattern: str) -> re.Pattern[str] | None:
+    """For ``**/NAME`` (the commonest find, ``**/*.py``), the regex of NAME alone: a path
+    matches the whole glob exactly when its last component matches NAME, since ``**/`` takes
+    any directories and NAME never crosses ``/``. None for any other glob."""
+    parts = [part for part in pattern.rstrip("/").split("/") if part not in ("", ".")]
+    if len(parts) != 2 or parts[0] != "**" or parts[1] == "**":
+        return None
+    return re.compile(translate_component(parts[1]), re.DOTALL)

@@ -1,0 +1,232 @@
+"""find's own walk gives the answer the shared walk gives, on a tree that has everything.
+
+The reference is find as it was before it got a loop of its own: the glob matched against each
+path ``TreeWalk`` (the walk grep's Python engine still uses) yields, with the ignore rules
+judged rule by rule (``GitIgnore.ignored``), in preorder with each directory sorted, capped in
+that order. The tree holds hidden folders, a .gitignored folder, ``.git/``, symlinks to
+directories (one looping, one leaving the workspace), a FIFO, a file name that is not UTF-8,
+and ignore files of every kind with anchored, directory-only, ``**`` and ``!`` rules, nested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandbx_pool.workers.globs import compile_glob
+from sandbx_pool.workers.paths import resolve
+from sandbx_pool.workers.protocol import ExecutionContext
+from sandbx_pool.workers.schemas import FindArgs, parse_args
+from sandbx_pool.workers.tools import TOOLS
+from sandbx_pool.workers.tools.files import printable
+from sandbx_pool.workers.tools.find import MAX_FIND_RESULTS
+from sandbx_pool.workers.tools.gitignore import GitIgnore
+from sandbx_pool.workers.tools.search import Root, TreeWalk
+
+FILES: dict[str, str] = {
+    ".gitignore": "build/\n*.log\n/top_only.txt\ndocs/*.md\n**/gen/\ncache/\nsub/**/x.tmp\n",
+    ".ignore": "*.bak\n",
+    ".git/info/exclude": "excluded.txt\n",
+    ".git/HEAD": "ref: refs/heads/main\n",
+    ".git/objects/x.py": "",
+    ".github/workflows/ci.yml": "",
+    ".hidden/secret.py": "",
+    ".hidden/.gitignore": "*.py\n",
+    ".env": "",
+    "build/out.py": "",
+    "build/deep/more.py": "",
+    "app.log": "",
+    "keep.log": "",
+    "old.bak": "",
+    "logs/.ignore": "!keep.log\n",
+    "logs/keep.log": "",
+    "logs/other.log": "",
+    "excluded.txt": "",
+    "top_only.txt": "",
+    "a.py": "",
+    "src/top_only.txt": "",
+    "src/main.py": "",
+    "src/gen/made.py": "",
+    "src/cache": "",  # a file: the directory-only rule cache/ does not apply
+    "src/sub/x.tmp": "",
+    "src/sub/deeper/x.tmp": "",
+    "sub/x.tmp": "",
+    "sub/deeper/x.tmp": "",
+    "sub/deeper/y.tmp": "",
+    "docs/guide.md": "",
+    "docs/api/ref.md": "",
+    "lib/cache/blob.bin": "",
+    "lib/.gitignore": "/local.py\n*.o\n!important.o\n",
+    "lib/local.py": "",
+    "lib/nested/local.py": "",
+    "lib/x.o": "",
+    "lib/important.o": "",
+    "lib/.rgignore": "rgonly.py\n",
+    "lib/rgonly.py": "",
+    "lib/pkg/mod.py": "",
+    "lib/pkg/.git": "gitdir: elsewhere\n",  # a worktree's .git file: never listed
+    "empty.d/.keep": "",
+    "names/caf\u00e9.py": "",
+    "names/[brackets].py": "",
+    "names/sp ace.py": "",
+}
+
+PATTERNS = [
+    "**",
+    "**/",
+    "**/*.py",
+    "**/*.tmp",
+    "**/x.tmp",
+    "*",
+    "*.py",
+    "src/**",
+    "src/*",
+    "lib/**/*.py",
+    "**/deeper/*",
+    "**/[!a-m]*.py",
+    "**/?.py",
+    "**/*.log",
+    "**/cache",
+    "**/cache/",
+    "names/\\[*",
+    "./a.py",
+    "**/.*",
+]
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    for name, text in FILES.items():
+        (ws / name).parent.mkdir(parents=True, exist_ok=True)
+        (ws / name).write_text(text)
+    os.mkfifo(ws / "src" / "pipe.py")
+    (ws / "src" / "linked").symlink_to("../lib", target_is_directory=True)
+    (ws / "loop").symlink_to(".", target_is_directory=True)
+    (ws / "outside").symlink_to(tmp_path, target_is_directory=True)
+    (ws / "src" / "file_link.py").symlink_to("main.py")
+    (ws / "names" / os.fsdecode(b"latin\xe9.py")).write_text("")
+    (ws / "empty.d" / "hollow").mkdir()
+    return ws
+
+
+def context(ws: Path, max_output_bytes: int = 1024 * 1024) -> ExecutionContext:
+    return ExecutionContext(
+        call_id="test",
+        workspace=str(ws),
+        cwd=str(ws),
+        env={"PATH": os.environ["PATH"]},
+        max_output_bytes=max_output_bytes,
+    )
+
+
+def reference_find(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
+    """find before its own loop: TreeWalk, the glob against each path, rules one by one."""
+    regex, dir_only = compile_glob(args.pattern)
+    real = resolve(ctx, args.path)
+    found: list[str] = []
+    room = ctx.max_output_bytes
+    total = 0
+    with contextlib.ExitStack() as stack:
+        root = stack.enter_context(Root(ctx, real, args.path))
+        root_fd = root.open_directory()
+        ignore = GitIgnore(root.prefix, root.ancestors()) if args.respect_gitignore else None
+        walk = TreeWalk(root_fd, prune={".git"}, ignore=ignore, hidden=args.hidden)
+        for rel, entry, _ in walk:
+            if regex.fullmatch(rel) is None or entry.name == ".git":
+                continue
+            if dir_only and not entry.is_dir(follow_symlinks=False):
+                continue
+            total += 1
+            if total > len(found) + 1:
+                continue
+            path = printable(f"{root.prefix}{rel}")
+            cost = len(path.encode()) + 32
+            if len(found) >= MAX_FIND_RESULTS or cost > room:
+                continue
+            room -= cost
+            found.append(path)
+    value: dict[str, Any] = {
+        "paths": sorted(found),
+        "truncated": total > len(found),
+        "skipped": walk.skipped,
+    }
+    if total > len(found):
+        value["total"] = total
+    return value
+
+
+def find(ctx: ExecutionContext, **args: Any) -> dict[str, Any]:
+    return TOOLS["find"](parse_args("find", args), ctx)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("hidden", [False, True])
+@pytest.mark.parametrize("respect_gitignore", [True, False])
+def test_find_answers_as_the_shared_walk(
+    tree: Path, pattern: str, hidden: bool, respect_gitignore: bool
+) -> None:
+    ctx = context(tree)
+    for path in [".", "src", "lib", "sub/deeper"]:
+        args = {"pattern": pattern, "path": path, "hidden": hidden}
+        args["respect_gitignore"] = respect_gitignore
+        expected = reference_find(parse_args("find", args), ctx)
+        assert find(ctx, **args) == expected, args
+
+
+def test_the_tree_exercises_every_case(tree: Path) -> None:
+    """What the comparison above would not notice if the tree lost it."""
+    ctx = context(tree)
+    every = find(ctx, pattern="**", hidden=True)["paths"]
+    # Listed without being followed or entered: symlinks (to directories too) and the FIFO.
+    assert {"loop", "outside", "src/linked", "src/pipe.py", "src/file_link.py"} <= set(every)
+    assert not any(p.startswith(("loop/", "outside/", "src/linked/")) for p in every)
+    assert not any(p == ".git" or p.startswith(".git/") or p.endswith("/.git") for p in every)
+    # The rules: .gitignore, .ignore, .git/info/exclude, anchored, nested, ! (only below logs/
+    # and lib/: elsewhere find combines the rules, which a ! rule above would prevent).
+    for gone in ["build", "app.log", "keep.log", "old.bak", "excluded.txt", "top_only.txt"]:
+        assert gone not in every
+    for gone in ["src/gen", "lib/cache", "sub/x.tmp", "lib/local.py", "lib/x.o", "lib/rgonly.py"]:
+        assert gone not in every
+    assert {"logs/keep.log", "docs/api/ref.md"} <= set(every) - {"logs/other.log", "docs/guide.md"}
+    for kept in ["src/top_only.txt", "src/cache", "sub/deeper"]:
+        assert kept in every
+    assert {"lib/nested/local.py", "lib/important.o", "names/latin\ufffd.py"} <= set(every)
+    assert ".hidden/secret.py" not in every  # its own .gitignore
+    assert ".github/workflows/ci.yml" in every
+
+
+def test_truncation_keeps_the_same_paths_and_counts_all(tree: Path) -> None:
+    for room in [200, 300, 450]:
+        ctx = context(tree, max_output_bytes=room)
+        for pattern in ["**", "**/*.py"]:
+            args = {"pattern": pattern, "hidden": True, "respect_gitignore": False}
+            expected = reference_find(parse_args("find", args), ctx)
+            got = find(ctx, **args)
+            assert got == expected
+            assert got["truncated"] is True
+            assert got["total"] > len(got["paths"]) > 0
+
+
+def test_truncation_at_the_result_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAX_FIND_RESULTS, lowered so that the tree stays small: the first paths in preorder."""
+    from sandbx_pool.workers.tools import find as find_module
+
+    ws = tmp_path / "ws"
+    for top in ["a", "b", "b.c", "c"]:
+        for leaf in ["x.py", "y.py"]:
+            (ws / top / leaf).parent.mkdir(parents=True, exist_ok=True)
+            (ws / top / leaf).write_text("")
+    monkeypatch.setattr(find_module, "MAX_FIND_RESULTS", 5)
+    got = find(context(ws), pattern="**/*.py")
+    # Preorder: a/x.py a/y.py b/x.py b/y.py b.c/x.py, then sorted.
+    assert got == {
+        "paths": ["a/x.py", "a/y.py", "b.c/x.py", "b/x.py", "b/y.py"],
+        "truncated": True,
+        "skipped": 0,
+        "total": 8,
+    }

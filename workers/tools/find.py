@@ -1,0 +1,179 @@
+"""The find tool: a walk by descriptor of its own, written for speed.
+
+find lists every kind of entry (directories, symlinks, FIFOs), so it cannot hand the walk to
+``rg --files``, which lists regular files only; and a program would cost every call bash's
+confinement. It walks in Python, by descriptor, with the guarantees of the shared walk
+(``workers.tools.search``'s docstring: no symlink followed, nothing opened but directories,
+each by its single name with ``O_NOFOLLOW``, so a parallel symlink swap is refused by the
+kernel), and gives the answer that walk gives: the same entries, visited in the same order
+(preorder, each directory sorted by name), so that a truncated answer keeps the same paths.
+
+What makes it fast (``python -m bench search``; on a 20,000-file tree the generic walk spent
+three quarters of its time outside the kernel and ``scandir``):
+
+* one loop, no generator: each entry is judged where it is listed;
+* the ignore rules of a directory are combined once, for the whole listing
+  (``gitignore.DirectoryRules``: one regex match per entry, not a loop over every rule);
+* ``**/NAME`` matches NAME against the entry's name alone (``globs.name_glob``), not the path;
+* a path is built only for an entry that is kept, and encoded once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+from typing import Any
+
+from sandbx_pool.workers.errors import ToolError
+from sandbx_pool.workers.globs import compile_glob, name_glob
+from sandbx_pool.workers.paths import DIRECTORY_FLAGS, resolve
+from sandbx_pool.workers.protocol import ExecutionContext
+from sandbx_pool.workers.schemas import FindArgs
+from sandbx_pool.workers.tools.files import os_error, printable
+from sandbx_pool.workers.tools.gitignore import NAMES as IGNORE_NAMES
+from sandbx_pool.workers.tools.gitignore import DirectoryRules, GitIgnore
+from sandbx_pool.workers.tools.search import Root
+
+#: find stops after this many paths even below max_output_bytes.
+MAX_FIND_RESULTS = 10_000
+
+#: Bytes of framing counted per result besides its strings, roughly what the encoding adds.
+_RESULT_OVERHEAD = 32
+
+_NAME = operator.attrgetter("name")
+
+#: A directory's entries, sorted by name, and the ignore rules for them.
+_Listing = tuple[list[os.DirEntry[str]], DirectoryRules | None]
+
+
+class _Answer:
+    """The paths kept, within the caps, and how many matched in all."""
+
+    def __init__(self, room: int) -> None:
+        self.paths: list[str] = []
+        self.total = 0
+        self.room = room
+        self.full = False  # a path was refused: the rest are only counted
+
+    def add(self, path: str) -> None:
+        self.total += 1
+        if self.full:
+            return
+        try:
+            size = len(path.encode())
+        except UnicodeEncodeError:
+            path = printable(path)
+            size = len(path.encode())
+        cost = size + _RESULT_OVERHEAD
+        if len(self.paths) >= MAX_FIND_RESULTS or cost > self.room:
+            self.full = True
+            return
+        self.room -= cost
+        self.paths.append(path)
+
+
+class _Walk:
+    """What the walk needs of each directory it enters: its sorted entries and its rules."""
+
+    def __init__(self, ignore: GitIgnore | None) -> None:
+        self.ignore = ignore
+        self.skipped = 0
+
+    def listing(self, fd: int, rel_dir: str) -> _Listing:
+        """Raises OSError."""
+        with os.scandir(fd) as it:
+            entries = sorted(it, key=_NAME)
+        if self.ignore is None:
+            return entries, None
+        # Which ignore files the directory holds: GitIgnore.enter opens only those.
+        self.ignore.enter(rel_dir, fd, IGNORE_NAMES.intersection(map(_NAME, entries)))
+        return entries, self.ignore.for_directory(rel_dir)
+
+    def enter(self, name: str, parent: int, rel_dir: str) -> tuple[int, _Listing] | None:
+        try:
+            fd = os.open(name, DIRECTORY_FLAGS, dir_fd=parent)
+        except OSError:
+            self.skipped += 1  # a symlink swapped in (ELOOP), unreadable, or gone
+            return None
+        try:
+            return fd, self.listing(fd, rel_dir)
+        except OSError:
+            os.close(fd)
+            self.skipped += 1
+            return None
+
+
+def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
+    """Paths under ``path`` whose path relative to it matches the glob ``pattern``.
+
+    Lists every kind of entry (symlinks, FIFOs, directories) without opening any, and never
+    descends a symlinked directory nor ``.git``. Hidden names and what the ignore files
+    exclude are left out unless asked for, as rg --files does. Results are relative to the
+    workspace, sorted; past the cap, ``total`` says how many matched.
+    """
+    regex, dir_only = compile_glob(args.pattern)
+    by_name = name_glob(args.pattern)
+    real = resolve(ctx, args.path)
+    answer = _Answer(ctx.max_output_bytes)
+    with contextlib.ExitStack() as opened:
+        try:
+            root = opened.enter_context(Root(ctx, real, args.path))
+            root.mode()  # a symlink loop is ELOOP, as it was when the root was opened by path
+            root_fd = root.open_directory()
+            ignore = GitIgnore(root.prefix, root.ancestors()) if args.respect_gitignore else None
+            walk = _Walk(ignore)
+            top, top_rules = walk.listing(root_fd, "")
+        except NotADirectoryError:
+            raise ToolError(f"{args.path} is not a directory", code="ENOTDIR") from None
+        except OSError as exc:
+            raise os_error(args.path, exc) from exc
+        match = (by_name or regex).fullmatch
+        hidden = args.hidden
+        base = root.prefix
+        # A directory being listed: (its walk-relative path with a trailing "/", its fd, what
+        # is left of its entries, its rules). An explicit stack rather than recursion: depth
+        # is bounded by the tree (and the open-files limit), not by Python's recursion limit.
+        stack = [("", root_fd, iter(top), top_rules)]
+        try:
+            while stack:
+                prefix, fd, entries, rules = stack[-1]
+                for entry in entries:
+                    name = entry.name
+                    if not hidden and name[0] == ".":
+                        continue
+                    try:
+                        # The entry's own type (lstat): False for a symlinked directory, which
+                        # is therefore never entered.
+                        is_dir = entry.is_dir(follow_symlinks=False)
+                    except OSError:
+                        is_dir = False
+                    if (rules is not None and rules.ignored(name, is_dir)) or name == ".git":
+                        continue
+                    rel = f"{prefix}{name}"
+                    if match(name if by_name is not None else rel) is not None and (
+                        is_dir or not dir_only
+                    ):
+                        answer.add(f"{base}{rel}")
+                    if is_dir:
+                        child = walk.enter(name, fd, f"{rel}/")
+                        if child is not None:
+                            child_fd, (child_entries, child_rules) = child
+                            stack.append((f"{rel}/", child_fd, iter(child_entries), child_rules))
+                            break  # preorder: the directory's entries before its next sibling
+                else:
+                    stack.pop()
+                    if fd != root_fd:
+                        os.close(fd)
+        finally:
+            for _, fd, _, _ in stack:
+                if fd != root_fd:
+                    os.close(fd)
+    value: dict[str, Any] = {
+        "paths": sorted(answer.paths),
+        "truncated": answer.total > len(answer.paths),
+        "skipped": walk.skipped,
+    }
+    if answer.total > len(answer.paths):
+        value["total"] = answer.total
+    return value
