@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+from collections.abc import Callable
 from typing import Any
 
 from sandbx_pool.workers.errors import ToolError
@@ -104,6 +105,15 @@ class _Walk:
             return None
 
 
+def _checks(
+    rules: DirectoryRules | None,
+) -> tuple[Callable[[str], object] | None, Callable[[str], object] | None]:
+    """The ignore tests of a directory's other entries and of its directories."""
+    if rules is None:
+        return None, None
+    return rules.check(is_dir=False), rules.check(is_dir=True)
+
+
 def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """Paths under ``path`` whose path relative to it matches the glob ``pattern``.
 
@@ -131,16 +141,18 @@ def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
         match = (by_name or regex).fullmatch
         hidden = args.hidden
         base = root.prefix
-        # A directory being listed: (its walk-relative path with a trailing "/", its fd, what
-        # is left of its entries, its rules). An explicit stack rather than recursion: depth
-        # is bounded by the tree (and the open-files limit), not by Python's recursion limit.
-        stack = [("", root_fd, iter(top), top_rules)]
+        # A directory being listed: its walk-relative path ("" or ending in "/"), its path in
+        # the workspace, its fd, what is left of its entries, and the ignore rules' tests of
+        # its other entries and of its directories. An explicit stack rather than recursion:
+        # depth is bounded by the tree (and the open-files limit), not by Python's recursion
+        # limit.
+        stack = [("", base, root_fd, iter(top), *_checks(top_rules))]
         try:
             while stack:
-                prefix, fd, entries, rules = stack[-1]
+                prefix, full, fd, entries, file_ignored, dir_ignored = stack[-1]
                 for entry in entries:
                     name = entry.name
-                    if not hidden and name[0] == ".":
+                    if name[0] == "." and not hidden:
                         continue
                     try:
                         # The entry's own type (lstat): False for a symlinked directory, which
@@ -148,27 +160,40 @@ def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
                         is_dir = entry.is_dir(follow_symlinks=False)
                     except OSError:
                         is_dir = False
-                    if (rules is not None and rules.ignored(name, is_dir)) or name == ".git":
+                    if not is_dir:
+                        if (file_ignored is not None and file_ignored(name)) or dir_only:
+                            continue
+                        # .git is never listed, even when it is a file (a worktree's).
+                        subject = name if by_name is not None else f"{prefix}{name}"
+                        if match(subject) is not None and name != ".git":
+                            answer.add(f"{full}{name}")
+                        continue
+                    if (dir_ignored is not None and dir_ignored(name)) or name == ".git":
                         continue
                     rel = f"{prefix}{name}"
-                    if match(name if by_name is not None else rel) is not None and (
-                        is_dir or not dir_only
-                    ):
-                        answer.add(f"{base}{rel}")
-                    if is_dir:
-                        child = walk.enter(name, fd, f"{rel}/")
-                        if child is not None:
-                            child_fd, (child_entries, child_rules) = child
-                            stack.append((f"{rel}/", child_fd, iter(child_entries), child_rules))
-                            break  # preorder: the directory's entries before its next sibling
+                    if match(name if by_name is not None else rel) is not None:
+                        answer.add(f"{full}{name}")
+                    child = walk.enter(name, fd, f"{rel}/")
+                    if child is not None:
+                        child_fd, (child_entries, child_rules) = child
+                        stack.append(
+                            (
+                                f"{rel}/",
+                                f"{full}{name}/",
+                                child_fd,
+                                iter(child_entries),
+                                *_checks(child_rules),
+                            )
+                        )
+                        break  # preorder: the directory's entries before its next sibling
                 else:
                     stack.pop()
                     if fd != root_fd:
                         os.close(fd)
         finally:
-            for _, fd, _, _ in stack:
-                if fd != root_fd:
-                    os.close(fd)
+            for frame in stack:
+                if frame[2] != root_fd:
+                    os.close(frame[2])
     value: dict[str, Any] = {
         "paths": sorted(answer.paths),
         "truncated": answer.total > len(answer.paths),

@@ -25,9 +25,10 @@ the ones above a subdirectory; nothing above the workspace is read. Not supporte
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import NamedTuple
 
 from sandbx_pool.workers.globs import translate_parts
@@ -243,6 +244,15 @@ class DirectoryRules:
             path = f"{self._directory}{name}"
             return any(rule.regex.fullmatch(path, cut) is not None for cut, rule in anchored)
         return False
+
+    def check(self, is_dir: bool) -> Callable[[str], object] | None:
+        """The test of an entry's name (truthy: ignored) for directories or the other entries,
+        None when no rule applies to them: without ``!`` and anchored rules, the alternation's
+        own ``fullmatch``, so that the walk calls no Python function per entry."""
+        if self._general is None and not self._anchored[is_dir]:
+            by_name = self._by_name[is_dir]
+            return None if by_name is None else by_name.fullmatch
+        return functools.partial(self.ignored, is_dir=is_dir)
 
 
 def _read(name: str, dir_fd: int) -> str:
