@@ -178,6 +178,60 @@ def test_find_answers_as_the_shared_walk(
         assert find(ctx, **args) == expected, args
 
 
+#: Rules that decide by name alone (no anchored or ! rule): find then tests a file's name
+#: against the ignore alternation and the glob in one regex, which this tree exercises.
+BY_NAME: dict[str, str] = {
+    ".gitignore": "build/\n*.log\n",
+    "pkg/.gitignore": "*.tmp\n",
+    "pkg/.ignore": "gen/\n",
+    "a.py": "",
+    "a.log": "",
+    "a.py.log": "",
+    "build/b.py": "",
+    "pkg/c.py": "",
+    "pkg/c.tmp": "",
+    "pkg/c.log": "",
+    "pkg/gen/d.py": "",
+    "pkg/dir.py/e.py": "",  # a directory that matches **/*.py
+    "pkg/.git": "gitdir: elsewhere\n",
+    "other/f.tmp": "",
+    "other/.hidden.py": "",
+}
+
+
+@pytest.fixture
+def by_name_tree(tmp_path: Path) -> Path:
+    ws = tmp_path / "by-name"
+    for name, text in BY_NAME.items():
+        (ws / name).parent.mkdir(parents=True, exist_ok=True)
+        (ws / name).write_text(text)
+    os.mkfifo(ws / "pkg" / "fifo.py")
+    (ws / "pkg" / "link.py").symlink_to("c.py")
+    (ws / "other" / "up.py").symlink_to("..", target_is_directory=True)
+    return ws
+
+
+@pytest.mark.parametrize("pattern", ["**/*.py", "**/*", "**/*.log", "**/[cd]*", "**/*.py/"])
+@pytest.mark.parametrize("hidden", [False, True])
+def test_find_by_name_answers_as_the_shared_walk(
+    by_name_tree: Path, pattern: str, hidden: bool
+) -> None:
+    ctx = context(by_name_tree)
+    for path in [".", "pkg", "other"]:
+        args = {"pattern": pattern, "path": path, "hidden": hidden}
+        assert find(ctx, **args) == reference_find(parse_args("find", args), ctx), args
+    if pattern == "**/*.py" and not hidden:
+        assert find(ctx, pattern=pattern)["paths"] == [
+            "a.py",
+            "other/up.py",
+            "pkg/c.py",
+            "pkg/dir.py",
+            "pkg/dir.py/e.py",
+            "pkg/fifo.py",
+            "pkg/link.py",
+        ]
+
+
 def test_the_tree_exercises_every_case(tree: Path) -> None:
     """What the comparison above would not notice if the tree lost it."""
     ctx = context(tree)
@@ -200,16 +254,24 @@ def test_the_tree_exercises_every_case(tree: Path) -> None:
     assert ".github/workflows/ci.yml" in every
 
 
-def test_truncation_keeps_the_same_paths_and_counts_all(tree: Path) -> None:
-    for room in [200, 300, 450]:
+@pytest.mark.parametrize("pending", [1, 4096])
+def test_truncation_keeps_the_same_paths_and_counts_all(
+    tree: Path, pending: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether the paths are taken in a directory at a time or all at the end."""
+    from sandbx_pool.workers.tools.find import _Answer
+
+    monkeypatch.setattr(_Answer, "PENDING", pending)
+    for room in [200, 300, 450, 1024 * 1024]:
         ctx = context(tree, max_output_bytes=room)
         for pattern in ["**", "**/*.py"]:
             args = {"pattern": pattern, "hidden": True, "respect_gitignore": False}
             expected = reference_find(parse_args("find", args), ctx)
             got = find(ctx, **args)
             assert got == expected
-            assert got["truncated"] is True
-            assert got["total"] > len(got["paths"]) > 0
+            assert got["truncated"] is (room < 1024)
+            if got["truncated"]:
+                assert got["total"] > len(got["paths"]) > 0
 
 
 def test_truncation_at_the_result_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

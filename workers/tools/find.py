@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -44,18 +45,54 @@ _RESULT_OVERHEAD = 32
 
 _NAME = operator.attrgetter("name")
 
+#: A test of a name; truthy when it passes.
+Test = Callable[[str], object]
+
 #: A directory's entries, sorted by name, and the ignore rules for them.
 _Listing = tuple[list[os.DirEntry[str]], DirectoryRules | None]
 
 
 class _Answer:
-    """The paths kept, within the caps, and how many matched in all."""
+    """The paths kept, within the caps, and how many matched in all.
+
+    The walk appends each matching path to ``pending`` (a list's own append: no Python call
+    per path) and has them taken in, in order, between directories, a few thousand at most
+    at a time: the answer stays bounded however many paths match, and the caps are applied
+    as if path by path."""
+
+    #: Paths pending past which the walk has them taken in (at its next directory).
+    PENDING = 4096
 
     def __init__(self, room: int) -> None:
         self.paths: list[str] = []
+        self.pending: list[str] = []
         self.total = 0
         self.room = room
         self.full = False  # a path was refused: the rest are only counted
+
+    def take_pending(self) -> None:
+        """``add`` each pending path, in order: those the result cap leaves room for at once
+        when their bytes fit too, the rest only counted once the answer is full."""
+        pending = self.pending
+        if not self.full:
+            head = pending[: MAX_FIND_RESULTS - len(self.paths)]
+            try:
+                size = sum(map(len, map(str.encode, head)))
+            except UnicodeEncodeError:
+                size = self.room  # a name that is not UTF-8: one by one, made printable
+            cost = size + _RESULT_OVERHEAD * len(head)
+            if cost <= self.room:
+                self.room -= cost
+                self.paths += head
+                self.total += len(head)
+                self.full = len(head) < len(pending)  # the next one is past the cap
+            else:
+                for path in head:
+                    self.add(path)
+            self.total += len(pending) - len(head)
+        else:
+            self.total += len(pending)
+        pending.clear()
 
     def add(self, path: str) -> None:
         self.total += 1
@@ -105,13 +142,39 @@ class _Walk:
             return None
 
 
-def _checks(
-    rules: DirectoryRules | None,
-) -> tuple[Callable[[str], object] | None, Callable[[str], object] | None]:
-    """The ignore tests of a directory's other entries and of its directories."""
-    if rules is None:
-        return None, None
-    return rules.check(is_dir=False), rules.check(is_dir=True)
+class _Tests:
+    """The tests a directory's entries go through, made once per set of ignore rules."""
+
+    def __init__(self, regex: re.Pattern[str], dir_only: bool, by_name: re.Pattern[str] | None):
+        self.regex = regex
+        self.dir_only = dir_only
+        self.by_name = by_name
+        self._made: dict[DirectoryRules, tuple[Test | None, Test | None, Test | None]] = {}
+
+    def of(self, rules: DirectoryRules | None) -> tuple[Test | None, Test | None, Test | None]:
+        """(listed, ignored, directory ignored): ``listed`` tests an entry that is not a
+        directory in one call, when one regex can (a ``**/NAME`` glob, and ignore rules that
+        decide by name): NAME where the alternation does not fullmatch; otherwise None, and
+        ``ignored`` then the glob are asked in turn."""
+        if rules is None:
+            listed = None if self.by_name is None or self.dir_only else self.by_name.fullmatch
+            return listed, None, None
+        made = self._made.get(rules)
+        if made is None:
+            made = self._make(rules)
+            if rules.anywhere:  # the same object for every directory it serves
+                self._made[rules] = made
+        return made
+
+    def _make(self, rules: DirectoryRules) -> tuple[Test | None, Test | None, Test | None]:
+        ignored, directory_ignored = rules.check(is_dir=False), rules.check(is_dir=True)
+        alone, alternation = rules.by_name(is_dir=False)
+        if self.by_name is None or self.dir_only or not alone:
+            return None, ignored, directory_ignored
+        if alternation is None:
+            return self.by_name.fullmatch, None, directory_ignored
+        combined = f"(?!(?:{alternation.pattern})\\Z)(?:{self.by_name.pattern})"
+        return re.compile(combined, re.DOTALL).fullmatch, ignored, directory_ignored
 
 
 def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
@@ -139,17 +202,19 @@ def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
         except OSError as exc:
             raise os_error(args.path, exc) from exc
         match = (by_name or regex).fullmatch
+        tests = _Tests(regex, dir_only, by_name)
+        keep = answer.pending.append
         hidden = args.hidden
         base = root.prefix
         # A directory being listed: its walk-relative path ("" or ending in "/"), its path in
-        # the workspace, its fd, what is left of its entries, and the ignore rules' tests of
-        # its other entries and of its directories. An explicit stack rather than recursion:
+        # the workspace, its fd, what is left of its entries, and its tests (_Tests.of). An
+        # explicit stack rather than recursion:
         # depth is bounded by the tree (and the open-files limit), not by Python's recursion
         # limit.
-        stack = [("", base, root_fd, iter(top), *_checks(top_rules))]
+        stack = [("", base, root_fd, iter(top), *tests.of(top_rules))]
         try:
             while stack:
-                prefix, full, fd, entries, file_ignored, dir_ignored = stack[-1]
+                prefix, full, fd, entries, listed, file_ignored, dir_ignored = stack[-1]
                 for entry in entries:
                     name = entry.name
                     if name[0] == "." and not hidden:
@@ -161,18 +226,24 @@ def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
                     except OSError:
                         is_dir = False
                     if not is_dir:
+                        if listed is not None:
+                            # .git is never listed, even when it is a file (a worktree's).
+                            if listed(name) and name != ".git":
+                                keep(f"{full}{name}")
+                            continue
                         if (file_ignored is not None and file_ignored(name)) or dir_only:
                             continue
-                        # .git is never listed, even when it is a file (a worktree's).
                         subject = name if by_name is not None else f"{prefix}{name}"
                         if match(subject) is not None and name != ".git":
-                            answer.add(f"{full}{name}")
+                            keep(f"{full}{name}")
                         continue
                     if (dir_ignored is not None and dir_ignored(name)) or name == ".git":
                         continue
                     rel = f"{prefix}{name}"
                     if match(name if by_name is not None else rel) is not None:
-                        answer.add(f"{full}{name}")
+                        keep(f"{full}{name}")
+                    if len(answer.pending) > answer.PENDING:
+                        answer.take_pending()
                     child = walk.enter(name, fd, f"{rel}/")
                     if child is not None:
                         child_fd, (child_entries, child_rules) = child
@@ -182,7 +253,7 @@ def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
                                 f"{full}{name}/",
                                 child_fd,
                                 iter(child_entries),
-                                *_checks(child_rules),
+                                *tests.of(child_rules),
                             )
                         )
                         break  # preorder: the directory's entries before its next sibling
@@ -194,6 +265,7 @@ def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
             for frame in stack:
                 if frame[2] != root_fd:
                     os.close(frame[2])
+    answer.take_pending()
     value: dict[str, Any] = {
         "paths": sorted(answer.paths),
         "truncated": answer.total > len(answer.paths),

@@ -97,6 +97,8 @@ class GitIgnore:
         ``ancestors`` the fds of the directories above it, the workspace first."""
         self._rules: dict[tuple[str, str], list[_Rule]] = {}
         self._applicable: dict[str, list[tuple[int, int, list[_Rule]]]] = {}
+        # DirectoryRules that hold for any directory the same files' rules apply in.
+        self._shared: dict[tuple[int, ...], DirectoryRules] = {}
         self.base = base
         # The ignore files above the searched directory, from the workspace root down.
         prefix = ""
@@ -147,7 +149,15 @@ class GitIgnore:
         applicable = self._collect(directory)
         if not applicable:
             return None
-        return DirectoryRules(self, rel_dir, directory, applicable)
+        # The rule lists live as long as we do: their ids name them.
+        key = tuple(id(rules) for _, _, rules in applicable)
+        shared = self._shared.get(key)
+        if shared is not None:
+            return shared
+        combined = DirectoryRules(self, rel_dir, directory, applicable)
+        if combined.anywhere:
+            self._shared[key] = combined
+        return combined
 
     def _collect(self, directory: str) -> list[tuple[int, int, list[_Rule]]]:
         """The rules that apply in ``directory`` (``""``, ``a/b/``), each with its kind's rank
@@ -200,7 +210,7 @@ class DirectoryRules:
     a ``!`` rule the order matters, and the entry takes ``GitIgnore.ignored``'s way.
     """
 
-    __slots__ = ("_anchored", "_by_name", "_directory", "_general", "_rel_dir")
+    __slots__ = ("_anchored", "_by_name", "_directory", "_general", "_rel_dir", "anywhere")
 
     def __init__(
         self,
@@ -213,6 +223,8 @@ class DirectoryRules:
         self._directory = directory
         rules = [(cut, rule) for _, cut, kind_rules in applicable for rule in kind_rules]
         self._general = ignore if any(rule.negate for _, rule in rules) else None
+        #: No ! and no anchored rule: these rules decide alike in every directory they apply to.
+        self.anywhere = self._general is None and not any(rule.anchored for _, rule in rules)
         # Index 0: for files (and every entry but a directory), 1: for directories.
         names: tuple[list[str], list[str]] = ([], [])
         self._anchored: tuple[list[tuple[int, _Rule]], list[tuple[int, _Rule]]] = ([], [])
@@ -245,13 +257,21 @@ class DirectoryRules:
             return any(rule.regex.fullmatch(path, cut) is not None for cut, rule in anchored)
         return False
 
+    def by_name(self, is_dir: bool) -> tuple[bool, re.Pattern[str] | None]:
+        """Whether the name alone decides for directories (or the other entries), no ``!``
+        or anchored rule applying to them, and then the alternation that does (None: no rule
+        applies to them at all)."""
+        if self._general is None and not self._anchored[is_dir]:
+            return True, self._by_name[is_dir]
+        return False, None
+
     def check(self, is_dir: bool) -> Callable[[str], object] | None:
         """The test of an entry's name (truthy: ignored) for directories or the other entries,
-        None when no rule applies to them: without ``!`` and anchored rules, the alternation's
-        own ``fullmatch``, so that the walk calls no Python function per entry."""
-        if self._general is None and not self._anchored[is_dir]:
-            by_name = self._by_name[is_dir]
-            return None if by_name is None else by_name.fullmatch
+        None when no rule applies to them: where the name alone decides, the alternation's own
+        ``fullmatch``, so that the walk calls no Python function per entry."""
+        alone, regex = self.by_name(is_dir)
+        if alone:
+            return None if regex is None else regex.fullmatch
         return functools.partial(self.ignored, is_dir=is_dir)
 
 
