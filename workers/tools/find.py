@@ -8,14 +8,21 @@ each by its single name with ``O_NOFOLLOW``, so a parallel symlink swap is refus
 kernel), and gives the answer that walk gives: the same entries, visited in the same order
 (preorder, each directory sorted by name), so that a truncated answer keeps the same paths.
 
-What makes it fast (``python -m bench search``; on a 20,000-file tree the generic walk spent
-three quarters of its time outside the kernel and ``scandir``):
+What makes it fast: every step the shared walk took per entry, in Python, is done once per
+directory or in C. On the search bench's 20,000-file tree (CPU, in-process, min of 30): the
+shared walk 76.6 ms, this loop 32.2 ms, the sorted ``scandir`` walk alone 16.4 ms.
 
 * one loop, no generator: each entry is judged where it is listed;
-* the ignore rules of a directory are combined once, for the whole listing
-  (``gitignore.DirectoryRules``: one regex match per entry, not a loop over every rule);
-* ``**/NAME`` matches NAME against the entry's name alone (``globs.name_glob``), not the path;
-* a path is built only for an entry that is kept, and encoded once.
+* a directory's ignore rules are combined once (``gitignore.DirectoryRules``): without ``!``
+  and anchored rules, the entry's test is the alternation's own ``fullmatch``;
+* ``**/NAME`` (``globs.name_glob``) matches the name alone, and where the rules decide by name
+  a file takes one regex for both: NAME behind a negative lookahead of the ignore alternation;
+* a matching path goes to a plain list (``_Answer.pending``) that the answer takes in a few
+  thousand at a time, in order, with the caps applied as path by path.
+
+Tried and no faster (44.8 against 45.2 ms at the time): judging a whole listing through
+``itertools`` filters and interleaving its paths with the subdirectories by ``bisect``; the
+lists made per directory cost what the per-entry calls saved.
 """
 
 from __future__ import annotations
@@ -95,6 +102,7 @@ class _Answer:
         pending.clear()
 
     def add(self, path: str) -> None:
+        """One path, the next in preorder: kept if it fits, counted either way."""
         self.total += 1
         if self.full:
             return
@@ -145,8 +153,7 @@ class _Walk:
 class _Tests:
     """The tests a directory's entries go through, made once per set of ignore rules."""
 
-    def __init__(self, regex: re.Pattern[str], dir_only: bool, by_name: re.Pattern[str] | None):
-        self.regex = regex
+    def __init__(self, dir_only: bool, by_name: re.Pattern[str] | None) -> None:
         self.dir_only = dir_only
         self.by_name = by_name
         self._made: dict[DirectoryRules, tuple[Test | None, Test | None, Test | None]] = {}
@@ -202,7 +209,7 @@ def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
         except OSError as exc:
             raise os_error(args.path, exc) from exc
         match = (by_name or regex).fullmatch
-        tests = _Tests(regex, dir_only, by_name)
+        tests = _Tests(dir_only, by_name)
         keep = answer.pending.append
         hidden = args.hidden
         base = root.prefix
