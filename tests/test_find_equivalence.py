@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from sandbx_pool.workers.globs import compile_glob
+from sandbx_pool.workers.globs import compile_glob, descent
 from sandbx_pool.workers.paths import resolve
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import FindArgs, parse_args
@@ -292,3 +292,27 @@ def test_truncation_at_the_result_cap(tmp_path: Path, monkeypatch: pytest.Monkey
         "skipped": 0,
         "total": 8,
     }
+
+
+@pytest.mark.parametrize(
+    ("pattern", "entered", "left"),
+    [
+        ("*.py", [], [(0, "src")]),
+        ("src/*", [(0, "src")], [(0, "lib"), (1, "deep")]),
+        ("src/**/*.py", [(0, "src"), (1, "any"), (5, "thing")], [(0, "lib")]),
+        ("s[rt]c/*/x", [(0, "src"), (1, "any")], [(0, "sac"), (2, "any")]),
+        ("./src/b.py", [(0, "src")], [(1, "src")]),
+    ],
+)
+def test_descent_enters_only_where_a_match_can_lie(
+    pattern: str, entered: list[tuple[int, str]], left: list[tuple[int, str]]
+) -> None:
+    may_hold = descent(pattern)
+    assert may_hold is not None
+    assert all(may_hold(depth, name) for depth, name in entered)
+    assert not any(may_hold(depth, name) for depth, name in left)
+
+
+def test_descent_enters_everything_under_a_leading_double_star() -> None:
+    assert descent("**/*.py") is None
+    assert descent("**") is None
