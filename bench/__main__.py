@@ -48,6 +48,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
     parser.add_argument("--soak-calls", type=int, help="calls in the soak (default 2000)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the soak's plan")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="search: also time grep and find with the page cache dropped before each run "
+        "(root; slows the whole machine meanwhile)",
+    )
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                 elif section == "streaming":
                     result.streaming = streaming.run(ws, calls=counts.streaming_calls)
                 elif section == "search":
-                    result.search = search.run(ws, runs=3 if args.quick else 9)
+                    cold_runs = (2 if args.quick else 5) if args.cold else 0
+                    result.search = search.run(ws, runs=3 if args.quick else 9, cold_runs=cold_runs)
                 elif section == "cluster":
                     result.cluster = cluster.run(ws, calls=counts.cluster_calls)
                 elif section == "oneshot":

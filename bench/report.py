@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from bench import cancel, latency, throughput
+from bench import cancel, latency, search, throughput
 from bench.cancel import CancelResult
 from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.latency import LatencyResult
@@ -370,6 +370,35 @@ def _search(result: SearchResult) -> str:
         "Medians in ms; the pool's figure is the whole call (coordinator, worker, rg).\n\n"
         + table(("through the pool", "ms", "alone", "ms", "ratio"), rows, "lrlrr")
         + extra
+        + _search_cold(result)
+    )
+
+
+def _search_cold(result: SearchResult) -> str:
+    if result.cold_unavailable is not None:
+        return f"\n\n### Cold cache\n\nNot measured: {result.cold_unavailable}."
+    if not result.cold:
+        return ""
+    cold = result.cold
+
+    def ratio(ours: str, theirs: str) -> str:
+        if ours not in cold or theirs not in cold:
+            return "n/a"
+        return f"{cold[ours] / cold[theirs]:.2f}x"
+
+    rows = [(f"`{name}`", ms(value)) for name, value in cold.items()]
+    ratios = [
+        ("grep through the pool / `rg -n`", ratio(search.COLD_GREP, search.COLD_RG)),
+        ("`rg -n` / GNU `grep -rn`", ratio(search.COLD_RG, search.COLD_GNU)),
+        ("grep through the pool / GNU `grep -rn`", ratio(search.COLD_GREP, search.COLD_GNU)),
+        ("find through the pool / `rg --files`", ratio(search.COLD_FIND, search.COLD_RG_FILES)),
+    ]
+    return (
+        f"\n\n### Cold cache\n\nThe page cache dropped before each run; medians of "
+        f"{result.cold_runs} rounds, the tools taking turns.\n\n"
+        + table(("tool", "ms"), rows, "lr")
+        + "\n\n"
+        + table(("cold", "ratio"), ratios, "lr")
     )
 
 

@@ -16,6 +16,14 @@ What is compared, each line the same question asked two ways:
 
 The pool's figure includes everything a caller waits for: the coordinator, the worker's
 fork, its confinement and the result's trip back.
+
+Cold (``python -m bench search --cold``, not part of ``make bench``: it empties the whole
+machine's page cache, which slows everyone else on it): before each timed run the page cache is
+dropped (``sync``, then ``3`` into ``/proc/sys/vm/drop_caches``, which needs root), and the
+tools take turns, the order rotating each round, so that none always runs first after the drop.
+The ratios asked of it: grep through the pool against ``rg -n``, and ``rg -n`` against GNU grep
+(find against ``rg --files`` too). Where the cache cannot be dropped, the section says why and
+gives no figures: warm figures passed off as cold would mislead.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ TREE_BYTES = 300 * 1024 * 1024
 #: Bump when the generator changes: a cached tree of another version is generated anew.
 TREE_VERSION = "1"
 TREE = Path(__file__).resolve().parent / "results" / "search-tree"
+
+#: Where the kernel is told to drop its clean caches (root only).
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 #: A rare identifier (a few hundred matching lines) and a case-insensitive class.
 PATTERNS = {"literal": "SBX_NEEDLE_[0-9]+", "regex": r"(?i)def \w+_handler\("}
@@ -134,6 +145,11 @@ class SearchResult:
     rows: dict[str, tuple[float, str, float]] = field(default_factory=dict)
     #: peer name -> median ms, for the peers not paired with a pool row (GNU grep)
     extra: dict[str, float] = field(default_factory=dict)
+    #: cold cache: tool -> median ms, over ``cold_runs`` rounds (empty when not measured)
+    cold: dict[str, float] = field(default_factory=dict)
+    cold_runs: int = 0
+    #: why the cold figures are missing although asked for
+    cold_unavailable: str | None = None
 
 
 def _time(fn: Callable[[], object], runs: int) -> list[float]:
@@ -156,7 +172,29 @@ def rg_path() -> str:
     return os.path.join(os.path.dirname(sys.executable), "rg")
 
 
-def run(ws: BenchWorkspace, runs: int = 9) -> SearchResult:
+def drop_caches() -> str | None:
+    """Write back dirty pages, then empty the page cache, dentries and inodes; None when done,
+    else why not."""
+    os.sync()
+    try:
+        DROP_CACHES.write_text("3\n")
+    except OSError as exc:
+        return f"cannot write {DROP_CACHES} ({exc.strerror}): dropping the page cache needs root"
+    return None
+
+
+#: The cold section's rows.
+COLD_GREP, COLD_FIND = "grep (pool)", "find **/*.py (pool)"
+COLD_RG, COLD_RG_FILES, COLD_GNU = "rg -n", "rg --files -g '*.py'", "GNU grep -rn"
+
+#: The cold section's calls through the pool: (tool, args).
+COLD_POOL: dict[str, tuple[str, dict[str, object]]] = {
+    COLD_GREP: ("grep", {"pattern": PATTERNS["literal"], "max_results": 100_000}),
+    COLD_FIND: ("find", {"pattern": "**/*.py"}),
+}
+
+
+def run(ws: BenchWorkspace, runs: int = 9, cold_runs: int = 0) -> SearchResult:
     import asyncio
 
     from sandbx_pool import Pool
@@ -206,6 +244,40 @@ def run(ws: BenchWorkspace, runs: int = 9) -> SearchResult:
                     statistics.median(theirs),
                 )
                 logger.info("bench: search {}: {}", name, result.rows[name])
+            if cold_runs:
+                await measure_cold(pool)
+
+    async def measure_cold(pool: Pool) -> None:
+        grep = shutil.which("grep")
+        tools: dict[str, Callable[[], object]] = {
+            COLD_RG: _run([rg, "-n", PATTERNS["literal"]], tree),
+            COLD_RG_FILES: _run([rg, "--files", "-g", "*.py"], tree),
+        }
+        if grep is not None:
+            argv = [grep, "-rnE", "--exclude-dir=.git", PATTERNS["literal"], "."]
+            tools[COLD_GNU] = _run(argv, tree)
+        names = [*COLD_POOL, *tools]
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(cold_runs):
+            # Rotate the order: no tool always runs first after the drop, or last.
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                why = drop_caches()
+                if why is not None:
+                    result.cold_unavailable = why
+                    logger.warning("bench: search cold: {}", why)
+                    return
+                start = time.perf_counter()
+                if name in COLD_POOL:
+                    tool, args = COLD_POOL[name]
+                    outcome = await pool.call(tool, args, timeout=300)
+                    assert outcome.status == "ok", outcome
+                else:
+                    tools[name]()
+                times[name].append((time.perf_counter() - start) * 1000)
+        result.cold = {name: statistics.median(values) for name, values in times.items()}
+        result.cold_runs = cold_runs
+        logger.info("bench: search cold: {}", result.cold)
 
     asyncio.run(measure())
     grep = shutil.which("grep")

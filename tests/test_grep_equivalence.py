@@ -9,6 +9,7 @@ this process (no such bind: the fallback answers).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -211,3 +212,38 @@ def test_the_schemas_describe_the_new_arguments_for_a_model() -> None:
         assert grep[name].get("description") or grep[name].get("anyOf"), name
     find = schemas["find"]["properties"]
     assert (find["hidden"]["default"], find["respect_gitignore"]["default"]) == (False, True)
+
+
+async def test_doctor_says_whether_grep_runs_rg(
+    pool: Pool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The doctor's verdict is what a grep call does: here, rg from the project's wheel."""
+    import msgspec
+
+    from sandbx_pool.cli.main import main as cli_main
+
+    outcome = await pool.call("grep", {"pattern": "needle"})
+    assert outcome.value is not None
+    # The doctor and rg --version block: off the event loop, as the pool's own work is.
+    assert await asyncio.to_thread(cli_main, ["doctor", "--json"]) == 0
+    checks = {c["name"]: c for c in msgspec.json.decode(capsys.readouterr().out)}
+    check = checks["grep runs rg"]
+    assert check["ok"] is (outcome.value["engine"] == "rg")
+    version = await asyncio.to_thread(
+        subprocess.run, [RG, "--version"], capture_output=True, text=True, check=True
+    )
+    assert f"{RG} ({version.stdout.splitlines()[0]})" in check["detail"]
+
+
+def test_doctor_names_greps_fallback_and_why() -> None:
+    from sandbx_pool.cli.doctor import rg_check
+
+    missing = rg_check(None, "", symlinks_refused=True)
+    assert not missing.ok
+    assert missing.fallback.startswith("no rg next to this interpreter nor on PATH")
+    assert "grep walks the tree in Python" in missing.fallback
+    unbound = rg_check(RG, "ripgrep 14.1.0", symlinks_refused=False)
+    assert not unbound.ok
+    assert f"{RG} (ripgrep 14.1.0) found, but no workspace bind" in unbound.fallback
+    assert "grep walks the tree in Python" in unbound.fallback
+    assert rg_check(RG, "ripgrep 14.1.0", symlinks_refused=True).ok

@@ -24,11 +24,11 @@ import pytest
 
 from sandbx_pool.workers.containment import set_child_subreaper
 from sandbx_pool.workers.errors import Denied, LimitExceeded, OutputLimitExceeded, ToolError
+from sandbx_pool.workers.globs import compile_glob
 from sandbx_pool.workers.protocol import ExecutionContext, encoder
 from sandbx_pool.workers.schemas import TOOL_ARGS, parse_args
 from sandbx_pool.workers.tools import TOOLS
 from sandbx_pool.workers.tools.files import TEMP_MARKER, open_regular, remove_leftover_temps
-from sandbx_pool.workers.tools.search import compile_glob
 
 # -- helpers -----------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ Written here rather than taken from fnmatch, whose ``*`` crosses ``/`` and which
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from sandbx_pool.workers.errors import ToolError
 
@@ -81,3 +82,39 @@ def translate_parts(parts: list[str]) -> str:
             if not last:
                 out.append("/")
     return "".join(out)
+
+
+def name_glob(pattern: str) -> re.Pattern[str] | None:
+    """For ``**/NAME`` (the commonest find, ``**/*.py``), the regex of NAME alone: a path
+    matches the whole glob exactly when its last component matches NAME, since ``**/`` takes
+    any directories and NAME never crosses ``/``. None for any other glob."""
+    parts = [part for part in pattern.rstrip("/").split("/") if part not in ("", ".")]
+    if len(parts) != 2 or parts[0] != "**" or parts[1] == "**":
+        return None
+    return re.compile(translate_component(parts[1]), re.DOTALL)
+
+
+def descent(pattern: str) -> Callable[[int, str], bool] | None:
+    """Which directories a walk must enter to find every path the glob matches: a test of a
+    directory's name and depth (0: the walk's root's entries), or None when any directory
+    may hold a match (the glob starts with ``**``).
+
+    A glob's leading components before its first ``**`` fix the directories a match lies in
+    (``src/*/*.py``: ``src``, then any name); a glob without ``**`` also fixes the depth, so
+    nothing deeper than its last directory needs listing (``*.py``: the root alone).
+    """
+    parts = [part for part in pattern.split("/") if part not in ("", ".")]
+    if not parts or parts[0] == "**":
+        return None
+    star = parts.index("**") if "**" in parts else None
+    fixed = [
+        re.compile(translate_component(part), re.DOTALL)
+        for part in parts[: star if star is not None else len(parts) - 1]
+    ]
+
+    def may_hold(depth: int, name: str) -> bool:
+        if depth < len(fixed):
+            return fixed[depth].fullmatch(name) is not None
+        return star is not None  # past the fixed components only a ** reaches deeper
+
+    return may_hold

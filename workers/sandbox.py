@@ -393,7 +393,7 @@ def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | 
 
 
 def _follow_no_symlinks(workspace: str) -> None:
-    """Bind the workspace onto itself, following no symlink (grep's and find's ``rg``).
+    """Bind the workspace onto itself, following no symlink (grep's ``rg``).
 
     rg walks by path, not by descriptor: a parallel call that swaps a directory for a symlink
     to /etc between rg's listing and its open would have rg read /etc, which Landlock lets a

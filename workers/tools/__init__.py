@@ -13,9 +13,9 @@ from typing import Any
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.tools.bash import run_bash
 from sandbx_pool.workers.tools.files import edit_file, list_directory, read_file, write_file
+from sandbx_pool.workers.tools.find import find_paths
 from sandbx_pool.workers.tools.grep import grep_files
 from sandbx_pool.workers.tools.recovery import remove_temps
-from sandbx_pool.workers.tools.search import find_paths
 
 ToolFunction = Callable[[Any, ExecutionContext], dict[str, Any]]
 

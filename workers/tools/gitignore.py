@@ -25,9 +25,10 @@ the ones above a subdirectory; nothing above the workspace is read. Not supporte
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import NamedTuple
 
 from sandbx_pool.workers.globs import translate_parts
@@ -96,6 +97,8 @@ class GitIgnore:
         ``ancestors`` the fds of the directories above it, the workspace first."""
         self._rules: dict[tuple[str, str], list[_Rule]] = {}
         self._applicable: dict[str, list[tuple[int, int, list[_Rule]]]] = {}
+        # DirectoryRules that hold for any directory the same files' rules apply in.
+        self._shared: dict[tuple[int, ...], DirectoryRules] = {}
         self.base = base
         # The ignore files above the searched directory, from the workspace root down.
         prefix = ""
@@ -138,6 +141,24 @@ class GitIgnore:
             verdict = _apply(rules, path[cut:], is_dir, verdict)
         return bool(verdict)
 
+    def for_directory(self, rel_dir: str) -> DirectoryRules | None:
+        """The rules for the entries of the walk-relative directory ``rel_dir`` (``""``,
+        ``a/b/``), combined, or None when no rule applies there. Call it once the walk has
+        entered the directory (``enter``); it is worth it for a directory's whole listing."""
+        directory = f"{self.base}{rel_dir}"
+        applicable = self._collect(directory)
+        if not applicable:
+            return None
+        # The rule lists live as long as we do: their ids name them.
+        key = tuple(id(rules) for _, _, rules in applicable)
+        shared = self._shared.get(key)
+        if shared is not None:
+            return shared
+        combined = DirectoryRules(self, rel_dir, directory, applicable)
+        if combined.anywhere:
+            self._shared[key] = combined
+        return combined
+
     def _collect(self, directory: str) -> list[tuple[int, int, list[_Rule]]]:
         """The rules that apply in ``directory`` (``""``, ``a/b/``), each with its kind's rank
         and where its own directory's path ends, the most decisive kind first and, within
@@ -173,6 +194,85 @@ class GitIgnore:
                         ("!" if rule.negate else "") + line + ("/" if rule.dir_only else "")
                     )
         return "".join(f"{line}\n" for line in lines)
+
+
+class DirectoryRules:
+    """The ignore rules that apply in one directory, for its entries: one regex match per
+    entry, instead of a walk over every rule of every ignore file above it.
+
+    Without a ``!`` rule, an entry is ignored when any rule matches it, whatever the kind and
+    depth of the file the rule came from: those only decide between verdicts that differ. The
+    unanchored rules (which match a name) then become one alternation per entry type
+    (directory or not), the same string in every directory under the same files, so ``re``
+    compiles it once. The anchored ones (``/build``, ``docs/*.md``) match the path below their
+    own directory, which differs in each directory; they are kept apart, and one without
+    ``**`` only where its entries are as deep as it has components: few are left to try. With
+    a ``!`` rule the order matters, and the entry takes ``GitIgnore.ignored``'s way.
+    """
+
+    __slots__ = ("_anchored", "_by_name", "_directory", "_general", "_rel_dir", "anywhere")
+
+    def __init__(
+        self,
+        ignore: GitIgnore,
+        rel_dir: str,
+        directory: str,
+        applicable: list[tuple[int, int, list[_Rule]]],
+    ) -> None:
+        self._rel_dir = rel_dir
+        self._directory = directory
+        rules = [(cut, rule) for _, cut, kind_rules in applicable for rule in kind_rules]
+        self._general = ignore if any(rule.negate for _, rule in rules) else None
+        #: No ! and no anchored rule: these rules decide alike in every directory they apply to.
+        self.anywhere = self._general is None and not any(rule.anchored for _, rule in rules)
+        # Index 0: for files (and every entry but a directory), 1: for directories.
+        names: tuple[list[str], list[str]] = ([], [])
+        self._anchored: tuple[list[tuple[int, _Rule]], list[tuple[int, _Rule]]] = ([], [])
+        for cut, rule in rules:
+            kinds = (1,) if rule.dir_only else (0, 1)
+            if not rule.anchored:
+                for kind in kinds:
+                    names[kind].append(f"(?:{rule.regex.pattern})")
+                continue
+            depth = directory.count("/", cut) + 1  # components below the rule's directory
+            parts = rule.glob.split("/")
+            if "**" in parts or len(parts) == depth:
+                for kind in kinds:
+                    self._anchored[kind].append((cut, rule))
+        self._by_name = tuple(
+            re.compile("|".join(alternatives), re.DOTALL) if alternatives else None
+            for alternatives in names
+        )
+
+    def ignored(self, name: str, is_dir: bool) -> bool:
+        """Whether the entry ``name`` of this directory is excluded."""
+        if self._general is not None:
+            return self._general.ignored(f"{self._rel_dir}{name}", is_dir)
+        by_name = self._by_name[is_dir]
+        if by_name is not None and by_name.fullmatch(name) is not None:
+            return True
+        anchored = self._anchored[is_dir]
+        if anchored:
+            path = f"{self._directory}{name}"
+            return any(rule.regex.fullmatch(path, cut) is not None for cut, rule in anchored)
+        return False
+
+    def by_name(self, is_dir: bool) -> tuple[bool, re.Pattern[str] | None]:
+        """Whether the name alone decides for directories (or the other entries), no ``!``
+        or anchored rule applying to them, and then the alternation that does (None: no rule
+        applies to them at all)."""
+        if self._general is None and not self._anchored[is_dir]:
+            return True, self._by_name[is_dir]
+        return False, None
+
+    def check(self, is_dir: bool) -> Callable[[str], object] | None:
+        """The test of an entry's name (truthy: ignored) for directories or the other entries,
+        None when no rule applies to them: where the name alone decides, the alternation's own
+        ``fullmatch``, so that the walk calls no Python function per entry."""
+        alone, regex = self.by_name(is_dir)
+        if alone:
+            return None if regex is None else regex.fullmatch
+        return functools.partial(self.ignored, is_dir=is_dir)
 
 
 def _read(name: str, dir_fd: int) -> str:

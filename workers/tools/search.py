@@ -1,4 +1,5 @@
-"""The tree walk grep (workers.tools.grep) and find share, and find itself.
+"""The tree walk by descriptor: grep's Python engine (workers.tools.grep) walks with it, and
+find (workers.tools.find) keeps its guarantees and its order in a loop of its own.
 
 The walk must never hang and never loop, whatever the tree holds:
 
@@ -30,28 +31,16 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Container, Iterator
-from typing import Any
 
-from sandbx_pool.workers.errors import ToolError
-from sandbx_pool.workers.globs import compile_glob
 from sandbx_pool.workers.paths import (
     DIRECTORY_FLAGS,
     open_directory,
     real_workspace,
     relative_to_workspace,
-    resolve,
 )
 from sandbx_pool.workers.protocol import ExecutionContext
-from sandbx_pool.workers.schemas import FindArgs
-from sandbx_pool.workers.tools.files import os_error, printable
 from sandbx_pool.workers.tools.gitignore import NAMES as IGNORE_NAMES
 from sandbx_pool.workers.tools.gitignore import GitIgnore
-
-#: find stops after this many paths even below max_output_bytes.
-MAX_FIND_RESULTS = 10_000
-
-#: Bytes of framing counted per result besides its strings, roughly what the encoding adds.
-_RESULT_OVERHEAD = 32
 
 
 def is_regular(entry: os.DirEntry[str]) -> bool:
@@ -219,54 +208,3 @@ class Root:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-# -- find --------------------------------------------------------------------------------------
-
-
-def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
-    """Paths under ``path`` whose path relative to it matches the glob ``pattern``.
-
-    Lists every kind of entry (symlinks, FIFOs, directories) without opening any, and never
-    descends a symlinked directory nor ``.git``. Hidden names and what the ignore files
-    exclude are left out unless asked for, as rg --files does. Results are relative to the
-    workspace, sorted; past the cap, ``total`` says how many matched.
-    """
-    regex, dir_only = compile_glob(args.pattern)
-    real = resolve(ctx, args.path)
-    found: list[str] = []
-    room = ctx.max_output_bytes
-    total = 0
-    with contextlib.ExitStack() as stack:
-        try:
-            root = stack.enter_context(Root(ctx, real, args.path))
-            root.mode()  # a symlink loop is ELOOP, as it was when the root was opened by path
-            root_fd = root.open_directory()
-            ignore = GitIgnore(root.prefix, root.ancestors()) if args.respect_gitignore else None
-            walk = TreeWalk(root_fd, prune={".git"}, ignore=ignore, hidden=args.hidden)
-        except NotADirectoryError:
-            raise ToolError(f"{args.path} is not a directory", code="ENOTDIR") from None
-        except OSError as exc:
-            raise os_error(args.path, exc) from exc
-        for rel, entry, _ in walk:
-            if regex.fullmatch(rel) is None or entry.name == ".git":
-                continue
-            if dir_only and not _is_directory(entry):
-                continue
-            total += 1
-            if total > len(found) + 1:
-                continue  # truncated already: only counted
-            path = printable(f"{root.prefix}{rel}")
-            cost = len(path.encode()) + _RESULT_OVERHEAD
-            if len(found) >= MAX_FIND_RESULTS or cost > room:
-                continue
-            room -= cost
-            found.append(path)
-    value: dict[str, Any] = {
-        "paths": sorted(found),
-        "truncated": total > len(found),
-        "skipped": walk.skipped,
-    }
-    if total > len(found):
-        value["total"] = total
-    return value

@@ -1,0 +1,290 @@
+"""The find tool: a walk by descriptor of its own, written for speed.
+
+find lists every kind of entry (directories, symlinks, FIFOs), so it cannot hand the walk to
+``rg --files``, which lists regular files only; and a program would cost every call bash's
+confinement. It walks in Python, by descriptor, with the guarantees of the shared walk
+(``workers.tools.search``'s docstring: no symlink followed, nothing opened but directories,
+each by its single name with ``O_NOFOLLOW``, so a parallel symlink swap is refused by the
+kernel), and gives the answer that walk gives: the same entries, visited in the same order
+(preorder, each directory sorted by name), so that a truncated answer keeps the same paths.
+
+What makes it fast: every step the shared walk took per entry, in Python, is done once per
+directory or in C. On the search bench's 20,000-file tree (CPU, in-process, min of 30): the
+shared walk 76.6 ms, this loop 32.2 ms, the sorted ``scandir`` walk alone 16.4 ms.
+
+* one loop, no generator: each entry is judged where it is listed;
+* a directory's ignore rules are combined once (``gitignore.DirectoryRules``): without ``!``
+  and anchored rules, the entry's test is the alternation's own ``fullmatch``;
+* ``**/NAME`` (``globs.name_glob``) matches the name alone, and where the rules decide by name
+  a file takes one regex for both: NAME behind a negative lookahead of the ignore alternation;
+* a glob that does not start with ``**`` enters only the directories a match can lie in
+  (``globs.descent``: ``*.py`` lists the root alone, ``src/**`` only ``src``);
+* a matching path goes to a plain list (``_Answer.pending``) that the answer takes in a few
+  thousand at a time, in order, with the caps applied as path by path.
+
+Tried and no faster: judging a whole listing through ``itertools`` filters and interleaving
+its paths with the subdirectories by ``bisect`` (44.8 against 45.2 ms at the time: the lists
+made per directory cost what the per-entry calls saved); the same for a directory without
+subdirectories only (37.5 against 29.7 ms: ``methodcaller("is_dir", follow_symlinks=False)``
+over a listing costs more than this loop's own call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+from sandbx_pool.workers.errors import ToolError
+from sandbx_pool.workers.globs import compile_glob, descent, name_glob
+from sandbx_pool.workers.paths import DIRECTORY_FLAGS, resolve
+from sandbx_pool.workers.protocol import ExecutionContext
+from sandbx_pool.workers.schemas import FindArgs
+from sandbx_pool.workers.tools.files import os_error, printable
+from sandbx_pool.workers.tools.gitignore import NAMES as IGNORE_NAMES
+from sandbx_pool.workers.tools.gitignore import DirectoryRules, GitIgnore
+from sandbx_pool.workers.tools.search import Root
+
+#: find stops after this many paths even below max_output_bytes.
+MAX_FIND_RESULTS = 10_000
+
+#: Bytes of framing counted per result besides its strings, roughly what the encoding adds.
+_RESULT_OVERHEAD = 32
+
+_NAME = operator.attrgetter("name")
+
+#: A test of a name; truthy when it passes.
+Test = Callable[[str], object]
+
+#: A directory's entries, sorted by name, and the ignore rules for them.
+_Listing = tuple[list[os.DirEntry[str]], DirectoryRules | None]
+
+
+class _Answer:
+    """The paths kept, within the caps, and how many matched in all.
+
+    The walk appends each matching path to ``pending`` (a list's own append: no Python call
+    per path) and has them taken in, in order, between directories, a few thousand at most
+    at a time: the answer stays bounded however many paths match, and the caps are applied
+    as if path by path."""
+
+    #: Paths pending past which the walk has them taken in (at its next directory).
+    PENDING = 4096
+
+    def __init__(self, room: int) -> None:
+        self.paths: list[str] = []
+        self.pending: list[str] = []
+        self.total = 0
+        self.room = room
+        self.full = False  # a path was refused: the rest are only counted
+
+    def take_pending(self) -> None:
+        """``add`` each pending path, in order: those the result cap leaves room for at once
+        when their bytes fit too, the rest only counted once the answer is full."""
+        pending = self.pending
+        if not self.full:
+            head = pending[: MAX_FIND_RESULTS - len(self.paths)]
+            try:
+                size = sum(map(len, map(str.encode, head)))
+            except UnicodeEncodeError:
+                size = self.room  # a name that is not UTF-8: one by one, made printable
+            cost = size + _RESULT_OVERHEAD * len(head)
+            if cost <= self.room:
+                self.room -= cost
+                self.paths += head
+                self.total += len(head)
+                self.full = len(head) < len(pending)  # the next one is past the cap
+            else:
+                for path in head:
+                    self.add(path)
+            self.total += len(pending) - len(head)
+        else:
+            self.total += len(pending)
+        pending.clear()
+
+    def add(self, path: str) -> None:
+        """One path, the next in preorder: kept if it fits, counted either way."""
+        self.total += 1
+        if self.full:
+            return
+        try:
+            size = len(path.encode())
+        except UnicodeEncodeError:
+            path = printable(path)
+            size = len(path.encode())
+        cost = size + _RESULT_OVERHEAD
+        if len(self.paths) >= MAX_FIND_RESULTS or cost > self.room:
+            self.full = True
+            return
+        self.room -= cost
+        self.paths.append(path)
+
+
+class _Walk:
+    """What the walk needs of each directory it enters: its sorted entries and its rules."""
+
+    def __init__(self, ignore: GitIgnore | None) -> None:
+        self.ignore = ignore
+        self.skipped = 0
+
+    def listing(self, fd: int, rel_dir: str) -> _Listing:
+        """Raises OSError."""
+        with os.scandir(fd) as it:
+            entries = sorted(it, key=_NAME)
+        if self.ignore is None:
+            return entries, None
+        # Which ignore files the directory holds: GitIgnore.enter opens only those.
+        self.ignore.enter(rel_dir, fd, IGNORE_NAMES.intersection(map(_NAME, entries)))
+        return entries, self.ignore.for_directory(rel_dir)
+
+    def enter(self, name: str, parent: int, rel_dir: str) -> tuple[int, _Listing] | None:
+        try:
+            fd = os.open(name, DIRECTORY_FLAGS, dir_fd=parent)
+        except OSError:
+            self.skipped += 1  # a symlink swapped in (ELOOP), unreadable, or gone
+            return None
+        try:
+            return fd, self.listing(fd, rel_dir)
+        except OSError:
+            os.close(fd)
+            self.skipped += 1
+            return None
+
+
+class _Tests:
+    """The tests a directory's entries go through, made once per set of ignore rules."""
+
+    def __init__(self, dir_only: bool, by_name: re.Pattern[str] | None) -> None:
+        self.dir_only = dir_only
+        self.by_name = by_name
+        self._made: dict[DirectoryRules, tuple[Test | None, Test | None, Test | None]] = {}
+
+    def of(self, rules: DirectoryRules | None) -> tuple[Test | None, Test | None, Test | None]:
+        """(listed, ignored, directory ignored): ``listed`` tests an entry that is not a
+        directory in one call, when one regex can (a ``**/NAME`` glob, and ignore rules that
+        decide by name): NAME where the alternation does not fullmatch; otherwise None, and
+        ``ignored`` then the glob are asked in turn."""
+        if rules is None:
+            listed = None if self.by_name is None or self.dir_only else self.by_name.fullmatch
+            return listed, None, None
+        made = self._made.get(rules)
+        if made is None:
+            made = self._make(rules)
+            if rules.anywhere:  # the same object for every directory it serves
+                self._made[rules] = made
+        return made
+
+    def _make(self, rules: DirectoryRules) -> tuple[Test | None, Test | None, Test | None]:
+        ignored, directory_ignored = rules.check(is_dir=False), rules.check(is_dir=True)
+        alone, alternation = rules.by_name(is_dir=False)
+        if self.by_name is None or self.dir_only or not alone:
+            return None, ignored, directory_ignored
+        if alternation is None:
+            return self.by_name.fullmatch, None, directory_ignored
+        combined = f"(?!(?:{alternation.pattern})\\Z)(?:{self.by_name.pattern})"
+        return re.compile(combined, re.DOTALL).fullmatch, ignored, directory_ignored
+
+
+def find_paths(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
+    """Paths under ``path`` whose path relative to it matches the glob ``pattern``.
+
+    Lists every kind of entry (symlinks, FIFOs, directories) without opening any, and never
+    descends a symlinked directory nor ``.git``. Hidden names and what the ignore files
+    exclude are left out unless asked for, as rg --files does. Results are relative to the
+    workspace, sorted; past the cap, ``total`` says how many matched.
+    """
+    regex, dir_only = compile_glob(args.pattern)
+    by_name = name_glob(args.pattern)
+    descend = descent(args.pattern)
+    real = resolve(ctx, args.path)
+    answer = _Answer(ctx.max_output_bytes)
+    with contextlib.ExitStack() as opened:
+        try:
+            root = opened.enter_context(Root(ctx, real, args.path))
+            root.mode()  # a symlink loop is ELOOP, as it was when the root was opened by path
+            root_fd = root.open_directory()
+            ignore = GitIgnore(root.prefix, root.ancestors()) if args.respect_gitignore else None
+            walk = _Walk(ignore)
+            top, top_rules = walk.listing(root_fd, "")
+        except NotADirectoryError:
+            raise ToolError(f"{args.path} is not a directory", code="ENOTDIR") from None
+        except OSError as exc:
+            raise os_error(args.path, exc) from exc
+        match = (by_name or regex).fullmatch
+        tests = _Tests(dir_only, by_name)
+        keep = answer.pending.append
+        hidden = args.hidden
+        base = root.prefix
+        # A directory being listed: its walk-relative path ("" or ending in "/"), its path in
+        # the workspace, its fd, what is left of its entries, and its tests (_Tests.of). An
+        # explicit stack rather than recursion:
+        # depth is bounded by the tree (and the open-files limit), not by Python's recursion
+        # limit.
+        stack = [("", base, root_fd, iter(top), *tests.of(top_rules))]
+        try:
+            while stack:
+                prefix, full, fd, entries, listed, file_ignored, dir_ignored = stack[-1]
+                for entry in entries:
+                    name = entry.name
+                    if name[0] == "." and not hidden:
+                        continue
+                    try:
+                        # The entry's own type (lstat): False for a symlinked directory, which
+                        # is therefore never entered.
+                        is_dir = entry.is_dir(follow_symlinks=False)
+                    except OSError:
+                        is_dir = False
+                    if not is_dir:
+                        if listed is not None:
+                            # .git is never listed, even when it is a file (a worktree's).
+                            if listed(name) and name != ".git":
+                                keep(f"{full}{name}")
+                            continue
+                        if (file_ignored is not None and file_ignored(name)) or dir_only:
+                            continue
+                        subject = name if by_name is not None else f"{prefix}{name}"
+                        if match(subject) is not None and name != ".git":
+                            keep(f"{full}{name}")
+                        continue
+                    if (dir_ignored is not None and dir_ignored(name)) or name == ".git":
+                        continue
+                    rel = f"{prefix}{name}"
+                    if match(name if by_name is not None else rel) is not None:
+                        keep(f"{full}{name}")
+                    if descend is not None and not descend(prefix.count("/"), name):
+                        continue  # no path below it can match: not even opened
+                    if len(answer.pending) > answer.PENDING:
+                        answer.take_pending()
+                    child = walk.enter(name, fd, f"{rel}/")
+                    if child is not None:
+                        child_fd, (child_entries, child_rules) = child
+                        stack.append(
+                            (
+                                f"{rel}/",
+                                f"{full}{name}/",
+                                child_fd,
+                                iter(child_entries),
+                                *tests.of(child_rules),
+                            )
+                        )
+                        break  # preorder: the directory's entries before its next sibling
+                else:
+                    stack.pop()
+                    if fd != root_fd:
+                        os.close(fd)
+        finally:
+            for frame in stack:
+                if frame[2] != root_fd:
+                    os.close(frame[2])
+    answer.take_pending()
+    value: dict[str, Any] = {
+        "paths": sorted(answer.paths),
+        "truncated": answer.total > len(answer.paths),
+        "skipped": walk.skipped,
+    }
+    if answer.total > len(answer.paths):
+        value["total"] = answer.total
+    return value
