@@ -41,6 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Status
 from sandbx_pool.remains import weakly
+from sandbx_pool.runtime_dir import parent_pid
 from sandbx_pool.worker_handle import Worker
 from sandbx_pool.workers.protocol import (
     MAX_MESSAGE_BYTES,
@@ -167,7 +168,12 @@ class Inbox:
             pid = _UCRED.unpack(cred)[0]
             if not self._is_worker(pid):
                 self.refused += 1
-                logger.warning("refused a connection from process {} (not a worker)", pid)
+                if parent_pid(pid) is None:
+                    # Gone before we looked: a worker killed as the pool closed (its template
+                    # reaped it), or one that crashed. Its connection is dead; nothing to warn of.
+                    logger.debug("shut a connection from process {}, already gone", pid)
+                else:
+                    logger.warning("refused a connection from process {} (not a worker)", pid)
                 conn.shutdown(socket.SHUT_RDWR)
 
     def _receive(self) -> None:
