@@ -67,7 +67,7 @@ _RESULT_OVERHEAD = 32
 #: Entries listed past which the walk gives the later half of the top directory's remaining
 #: subdirectories to a second process (``_Search.split``), when what is left looks as big
 #: again at least. Below it nothing is forked: on a small tree the fork would cost more than
-#: it saves (a worker lists 300-600 entries a millisecond; the fork and the answer's merge
+#: it saves (a worker lists 200-600 entries a millisecond; the fork and the answer's merge
 #: cost 1-3 ms). 1,000 and 2,000 measured alike on the search bench, within its noise.
 SPLIT_AFTER = 1000
 
