@@ -11,7 +11,10 @@ and ignore files of every kind with anchored, directory-only, ``**`` and ``!`` r
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from sandbx_pool.workers.globs import compile_glob, descent
 from sandbx_pool.workers.paths import resolve
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import FindArgs, parse_args
-from sandbx_pool.workers.tools import TOOLS
+from sandbx_pool.workers.tools import TOOLS, helper_process
 from sandbx_pool.workers.tools.files import printable
 from sandbx_pool.workers.tools.find import MAX_FIND_RESULTS
 from sandbx_pool.workers.tools.gitignore import GitIgnore
@@ -316,3 +319,155 @@ def test_descent_enters_only_where_a_match_can_lie(
 def test_descent_enters_everything_under_a_leading_double_star() -> None:
     assert descent("**/*.py") is None
     assert descent("**") is None
+
+
+# The split walk: past SPLIT_AFTER entries the later top-level subdirectories go to a forked
+# helper (workers.tools.helper_process), whose answer the worker appends to its own. Lowered
+# to 0, it splits on these small trees at the first directory entered; every answer above is
+# compared again, and the helper is counted so that a split that never happens cannot pass.
+
+
+@pytest.fixture
+def split(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """SPLIT_AFTER at 0; the list of helpers forked (their pids), through the real start()."""
+    from sandbx_pool.workers.tools import find as find_module
+
+    started: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        helper = helper_process.start(*args, **kwargs)
+        started.append(-1 if helper is None else helper.pid)
+        return helper
+
+    monkeypatch.setattr(find_module, "SPLIT_AFTER", 0)
+    monkeypatch.setattr(find_module, "start", counted)
+    return started
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("hidden", [False, True])
+@pytest.mark.parametrize("respect_gitignore", [True, False])
+def test_the_split_walk_answers_as_the_shared_walk(
+    tree: Path, pattern: str, hidden: bool, respect_gitignore: bool, split: list[int]
+) -> None:
+    ctx = context(tree)
+    for path in [".", "src", "lib"]:
+        args = {"pattern": pattern, "path": path, "hidden": hidden}
+        args["respect_gitignore"] = respect_gitignore
+        expected = reference_find(parse_args("find", args), ctx)
+        assert find(ctx, **args) == expected, args
+    if pattern == "**":
+        assert split
+        assert all(pid > 0 for pid in split)
+
+
+@pytest.mark.parametrize("room", [200, 300, 450, 700, 1024 * 1024])
+@pytest.mark.parametrize("pending", [1, 4096])
+def test_the_split_walk_truncates_as_the_shared_walk(
+    tree: Path, room: int, pending: int, split: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The byte budget cutting in the worker's part, in the helper's, or not at all."""
+    from sandbx_pool.workers.tools.find import _Answer
+
+    monkeypatch.setattr(_Answer, "PENDING", pending)
+    ctx = context(tree, max_output_bytes=room)
+    for pattern in ["**", "**/*.py", "**/*.md"]:
+        args = {"pattern": pattern, "hidden": True, "respect_gitignore": False}
+        assert find(ctx, **args) == reference_find(parse_args("find", args), ctx), args
+    assert split
+
+
+def wide_tree(ws: Path, tops: int = 12, files: int = 6) -> Path:
+    for top in range(tops):
+        for leaf in range(files):
+            path = ws / f"d{top:02d}" / f"sub{leaf % 2}" / f"f{leaf}.py"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+    return ws
+
+
+@pytest.mark.parametrize("cap", [1, 5, 13, 40, 71, 72, 73, 200])
+def test_the_split_walk_keeps_the_first_paths_at_the_result_cap(
+    tmp_path: Path, cap: int, split: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MAX_FIND_RESULTS cutting before the helper's part, inside it, or past the end."""
+    from sandbx_pool.workers.tools import find as find_module
+
+    ws = wide_tree(tmp_path / "ws")
+    monkeypatch.setattr(find_module, "MAX_FIND_RESULTS", cap)
+    monkeypatch.setitem(globals(), "MAX_FIND_RESULTS", cap)  # the reference's cap
+    ctx = context(ws)
+    for pattern in ["**", "**/*.py"]:
+        args = {"pattern": pattern, "hidden": False}
+        got = find(ctx, **args)
+        assert got == reference_find(parse_args("find", args), ctx), (pattern, cap)
+        assert got["truncated"] is (cap < (72 if pattern == "**/*.py" else 108))
+    assert len(split) == 2
+    assert all(pid > 0 for pid in split)
+
+
+def test_no_split_below_the_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree smaller than SPLIT_AFTER is walked by the worker alone: no fork."""
+    from sandbx_pool.workers.tools import find as find_module
+
+    ws = wide_tree(tmp_path / "ws")
+    started: list[object] = []
+    monkeypatch.setattr(find_module, "start", lambda *a: started.append(a))
+    assert len(find(context(ws), pattern="**")["paths"]) == 108
+    assert started == []
+
+
+def _garbage(self: Any) -> bytes:
+    return b"\xc1 not msgpack"
+
+
+def _killed(self: Any) -> bytes:
+    os.kill(os.getpid(), signal.SIGKILL)
+    return b""
+
+
+def _raises(self: Any) -> bytes:
+    raise RuntimeError("the helper's walk failed")
+
+
+def _too_much(self: Any) -> bytes:
+    return bytes(64 * 1024 * 1024)
+
+
+def _implausible(self: Any) -> bytes:
+    from sandbx_pool.workers.tools.find import _Part, _part_encoder
+
+    return _part_encoder.encode(_Part(paths=["x"] * 3, total=1, skipped=0))
+
+
+@pytest.mark.parametrize("failure", [_garbage, _killed, _raises, _too_much, _implausible])
+def test_a_failed_helper_leaves_its_part_to_the_worker(
+    tree: Path, failure: Callable[[Any], bytes], split: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the helper does wrong, the answer is the sequential one (and no process is
+    left: the autouse fixture checks)."""
+    from sandbx_pool.workers.tools.find import _Search
+
+    monkeypatch.setattr(_Search, "walk_handed", failure)
+    for room in [300, 1024 * 1024]:
+        ctx = context(tree, max_output_bytes=room)
+        args = {"pattern": "**", "hidden": True}
+        assert find(ctx, **args) == reference_find(parse_args("find", args), ctx)
+    assert split
+    assert all(pid > 0 for pid in split)
+
+
+def test_a_refused_fork_leaves_the_walk_to_the_worker(
+    tree: Path, split: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fork() failing as under a process limit (EAGAIN): the walk goes on alone."""
+
+    def refused() -> int:
+        raise OSError(errno.EAGAIN, "fork: Resource temporarily unavailable")
+
+    monkeypatch.setattr(helper_process, "fork", refused)
+    ctx = context(tree)
+    args = {"pattern": "**", "hidden": True}
+    assert find(ctx, **args) == reference_find(parse_args("find", args), ctx)
+    assert split
+    assert all(pid == -1 for pid in split)
