@@ -45,6 +45,7 @@ from inspect_ai.util import LimitExceededError, sandbox, time_limit
 
 from sandbx_pool.integrations.inspect_cancel import MAX_REASON
 from sandbx_pool.integrations.inspect_provider import SandbxConfig
+from sandbx_pool.runtime_dir import owner_tag
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
@@ -362,3 +363,31 @@ async def test_ctrl_c(tmp_path: Path, display: str) -> None:
         "Inspect: the eval was interrupted (Ctrl-C)",
     ), stderr_tail
     assert pids_with(tag) == []
+
+
+@solver
+def _runs_true() -> Solver:
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        assert (await sandbox().exec(["true"])).success
+        return state
+
+    return solve
+
+
+async def test_the_next_task_removes_what_an_interrupted_eval_left(tmp_path: Path) -> None:
+    """An eval stopped by Ctrl-C (or killed) never cleans its task's directory up; the next
+    task under the same root removes it once its owner is gone, and nothing of a live one."""
+    root = tmp_path / "root"
+    root.mkdir()
+    gone = await asyncio.create_subprocess_exec("true")
+    await gone.wait()  # a pid with no process behind it
+    abandoned = root / f"sandbx-inspect-{gone.pid}-1-AbC123"
+    (abandoned / "sample-1").mkdir(parents=True)
+    (abandoned / "sample-1" / "work.txt").write_text("left by a killed eval")
+    live = root / f"sandbx-inspect-{owner_tag()}-XyZ789"  # ours: alive
+    live.mkdir()
+    config = _config(tmp_path).model_copy(update={"root": str(root)})
+    log = await _eval(tmp_path, config, _runs_true())
+    assert log.status == "success"
+    assert not abandoned.exists()
+    assert live.exists()

@@ -62,6 +62,7 @@ from sandbx_pool.integrations import inspect_cancel, inspect_eval
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.pool import Pool
+from sandbx_pool.runtime_dir import owner_tag, remove_abandoned
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES
 
 #: The pool's output cap: the largest file read_file can return in one message (the rest of a
@@ -71,6 +72,13 @@ TRANSPORT_BYTES = MAX_MESSAGE_BYTES - 4 * 1024 * 1024
 
 #: Seconds allowed to the provider's own housekeeping calls (mkdir, rm -rf, writes).
 HOUSEKEEPING_TIMEOUT_S = 120.0
+
+#: A task's directory under ``root``: ``<prefix><pid>-<start time>-<random>``, so that the
+#: next task can tell one whose eval is gone (sandbx_pool.runtime_dir.owner_is_dead).
+TASK_DIR_PREFIX = "sandbx-inspect-"
+
+#: How long a task's start waits for the sweep of dead evals' directories.
+ABANDONED_SWEEP_S = 10.0
 
 #: The errno names our file tools report (Outcome.error_code) and the exceptions Inspect
 #: expects for them.
@@ -183,7 +191,15 @@ async def _open_task(settings: SandbxConfig) -> _Task:
         pool.admit(inspect_eval.max_subprocesses() or 0)  # inspect_eval: why
     await pool.start()
     try:
-        template = os.path.join(settings.root, f"sandbx-inspect-{os.getpid()}-XXXXXX")
+        # An eval killed or interrupted never runs its cleanup: its task's directory (every
+        # sample's files) is removed by the next one here, once its owner is gone. In a thread
+        # with a deadline: the root may be a mount that hangs, and the loop must not.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.to_thread(remove_abandoned, settings.root, TASK_DIR_PREFIX),
+                ABANDONED_SWEEP_S,
+            )
+        template = os.path.join(settings.root, f"{TASK_DIR_PREFIX}{owner_tag()}-XXXXXX")
         made = await _check(pool, ["mktemp", "-d", template], cwd=settings.workspace)
         directory = made.stdout.strip()
         # Traversable, not listable, by the sample user: each sample sees its own directory.
