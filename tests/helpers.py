@@ -66,6 +66,15 @@ def fifo_has_reader(path: str | os.PathLike[str]) -> bool:
     return False
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _wchan(pid: str) -> str:
     try:
         with open(f"/proc/{pid}/wchan") as f:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from conftest import MARKER, leftover_processes, marked_config
-from helpers import fifo_has_reader, pids_with, unique_tag, wait_until, wait_until_sync
+from helpers import alive, fifo_has_reader, pids_with, unique_tag, wait_until, wait_until_sync
 
 from sandbx_pool import CancelToken, KilledBy, Pool, PoolClosed, Status
 from sandbx_pool.workers.procfs import children
@@ -40,15 +40,6 @@ ESCAPES = (
 def escaping(tag: str, then: str) -> str:
     """A bash script that starts every escape, then runs ``then``."""
     return "\n".join([*(escape.format(tag=tag) for escape in ESCAPES), then])
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def uptime() -> float:

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import pytest
 from conftest import marked_config
-from helpers import wait_until, wait_until_sync
+from helpers import alive, wait_until, wait_until_sync
 
 from sandbx_pool import Limits, Pool, descriptors
 from sandbx_pool.outcome import Status
@@ -29,15 +29,6 @@ from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES
 
 #: A coordinator in a subprocess: runs a script with the package importable, marked as ours.
 CHILD_S = 120
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a process that is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def is_dir(path: str) -> bool:

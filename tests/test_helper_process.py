@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import marked_config
-from helpers import wait_until_sync
+from helpers import alive, wait_until_sync
 
 from sandbx_pool import Pool
 from sandbx_pool.workers.protocol import ExecutionContext
@@ -32,15 +32,6 @@ helper = start(lambda: (time.sleep(1000), b"")[1], 100)
 print(helper.pid, flush=True)
 time.sleep(1000)
 """
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def caller(processes: list[subprocess.Popen[bytes]]) -> tuple[subprocess.Popen[bytes], int]:
