@@ -128,9 +128,7 @@ class GitIgnore:
         path = f"{self.base}{rel}"
         slash = path.rfind("/")
         directory = path[: slash + 1]
-        applicable = self._applicable.get(directory)
-        if applicable is None:
-            applicable = self._applicable[directory] = self._collect(directory)
+        applicable = self._collect(directory)
         verdict: bool | None = None
         kind = -1
         for rank, cut, rules in applicable:
@@ -162,21 +160,34 @@ class GitIgnore:
     def _collect(self, directory: str) -> list[tuple[int, int, list[_Rule]]]:
         """The rules that apply in ``directory`` (``""``, ``a/b/``), each with its kind's rank
         and where its own directory's path ends, the most decisive kind first and, within
-        a kind, the shallowest first (so that deeper rules are consulted last). Computed once
-        per directory: the walk has entered it, and every directory above, by then."""
-        found = []
-        cut = 0
-        while True:
-            prefix = directory[:cut]
-            for rank, kind in enumerate((*KINDS, _EXCLUDE)):
-                rules = self._rules.get((prefix, kind))
-                if rules:
-                    found.append((rank, cut, rules))
-            slash = directory.find("/", cut)
-            if slash == -1:
+        a kind, the shallowest first (so that deeper rules are consulted last). Called once
+        the walk has entered the directory, and every directory above, so their files are
+        read: each directory's answer is its parent's with its own files' rules added, kept,
+        and the very list of its parent's when it has none (most directories: the rules
+        combined for the parent then serve it as they are, ``for_directory``)."""
+        found = self._applicable.get(directory)
+        if found is not None:
+            return found
+        # The directories from the nearest one already collected down to this one: a loop,
+        # not a recursion, since a tree may be deeper than Python's recursion limit.
+        missing = [directory]
+        while missing[-1]:
+            parent = missing[-1][: missing[-1].rfind("/", 0, len(missing[-1]) - 1) + 1]
+            found = self._applicable.get(parent)
+            if found is not None:
                 break
-            cut = slash + 1
-        found.sort(key=lambda item: item[:2])
+            missing.append(parent)
+        else:
+            found = []
+        for path in reversed(missing):
+            own = [
+                (rank, len(path), rules)
+                for rank, kind in enumerate((*KINDS, _EXCLUDE))
+                if (rules := self._rules.get((path, kind)))
+            ]
+            if own:
+                found = sorted([*found, *own], key=lambda item: item[:2])
+            self._applicable[path] = found
         return found
 
     def above_as_text(self) -> str:
