@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import signal
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,18 @@ def context(ws: Path, max_output_bytes: int = 1024 * 1024) -> ExecutionContext:
     )
 
 
+@pytest.fixture(params=[True, False], ids=["leaves", "no-leaves"])
+def leaves(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """find with its leaf shortcut (a directory of link count 2 listed by name, where the
+    filesystem is trusted: ``find.LEAF_FILESYSTEMS``) and without it, every directory entered
+    the general way: both must give the reference's answer."""
+    from sandbx_pool.workers.tools import find as find_module
+
+    if not request.param:
+        monkeypatch.setattr(find_module, "LEAF_FILESYSTEMS", frozenset())
+    return bool(request.param)
+
+
 def reference_find(args: FindArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """find before its own loop: TreeWalk, the glob against each path, rules one by one."""
     regex, dir_only = compile_glob(args.pattern)
@@ -171,7 +184,7 @@ def find(ctx: ExecutionContext, **args: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("hidden", [False, True])
 @pytest.mark.parametrize("respect_gitignore", [True, False])
 def test_find_answers_as_the_shared_walk(
-    tree: Path, pattern: str, hidden: bool, respect_gitignore: bool
+    tree: Path, pattern: str, hidden: bool, respect_gitignore: bool, leaves: bool
 ) -> None:
     ctx = context(tree)
     for path in [".", "src", "lib", "sub/deeper"]:
@@ -217,7 +230,7 @@ def by_name_tree(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("pattern", ["**/*.py", "**/*", "**/*.log", "**/[cd]*", "**/*.py/"])
 @pytest.mark.parametrize("hidden", [False, True])
 def test_find_by_name_answers_as_the_shared_walk(
-    by_name_tree: Path, pattern: str, hidden: bool
+    by_name_tree: Path, pattern: str, hidden: bool, leaves: bool
 ) -> None:
     ctx = context(by_name_tree)
     for path in [".", "pkg", "other"]:
@@ -321,6 +334,75 @@ def test_descent_enters_everything_under_a_leading_double_star() -> None:
     assert descent("**") is None
 
 
+def test_filesystem_type_is_the_kernels(tmp_path: Path) -> None:
+    """fstatfs through ctypes gives the magic number ``stat -f`` prints (coreutils)."""
+    from sandbx_pool.workers._libc import filesystem_type
+
+    printed = subprocess.run(
+        ["stat", "-f", "-c", "%t", str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert filesystem_type(fd) == int(printed, 16) != 0
+    finally:
+        os.close(fd)
+    assert filesystem_type(-1) == 0  # EBADF: not known, so never trusted
+
+
+def test_the_walk_lists_leaves_by_name_where_the_count_is_kept(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a trusted filesystem the tree's leaves (src/gen, names, lib/pkg...) take the
+    shortcut, so that the equivalence above compares it for real."""
+    from sandbx_pool.workers._libc import filesystem_type
+    from sandbx_pool.workers.tools import find as find_module
+
+    fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        trusted = filesystem_type(fd) in find_module.LEAF_FILESYSTEMS
+    finally:
+        os.close(fd)
+    if not trusted:
+        pytest.skip("the test tree's filesystem is not one whose link counts find trusts")
+    leaves: list[int] = []
+    real_leaf = find_module._Walk.leaf
+
+    def counted(self: Any, fd: int, rel_dir: str) -> Any:
+        found = real_leaf(self, fd, rel_dir)
+        if found is not None:
+            leaves.append(len(found.names))
+        return found
+
+    monkeypatch.setattr(find_module._Walk, "leaf", counted)
+    assert "names/caf\u00e9.py" in find(context(tree), pattern="**", hidden=True)["paths"]
+    assert len(leaves) >= 8
+
+
+def test_a_filesystem_not_known_to_count_subdirectories_is_not_trusted(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FUSE (sshfs and the like report any link count), btrfs, NFS: a link count of 2 there
+    says nothing, and the directory is entered the general way."""
+    from sandbx_pool.workers.tools import find as find_module
+
+    fuse = 0x65735546
+    monkeypatch.setattr(find_module, "filesystem_type", lambda fd: fuse)
+    walk = find_module._Walk(None)
+    fd = os.open(tree / "src" / "gen", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if os.fstat(fd).st_nlink != 2:  # btrfs: always 1
+            pytest.skip("this filesystem does not count subdirectories in st_nlink")
+        assert walk.leaf(fd, "src/gen/") is None
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    fd = os.open(tree / "src", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert walk.leaf(fd, "src/") is None  # it holds directories, whatever the filesystem
+    finally:
+        os.close(fd)
+
+
 # The split walk: past SPLIT_AFTER entries the later top-level subdirectories go to a forked
 # helper (workers.tools.helper_process), whose answer the worker appends to its own. Lowered
 # to 0, it splits on these small trees at the first directory entered; every answer above is
@@ -348,7 +430,12 @@ def split(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize("hidden", [False, True])
 @pytest.mark.parametrize("respect_gitignore", [True, False])
 def test_the_split_walk_answers_as_the_shared_walk(
-    tree: Path, pattern: str, hidden: bool, respect_gitignore: bool, split: list[int]
+    tree: Path,
+    pattern: str,
+    hidden: bool,
+    respect_gitignore: bool,
+    split: list[int],
+    leaves: bool,
 ) -> None:
     ctx = context(tree)
     for path in [".", "src", "lib"]:

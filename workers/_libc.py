@@ -1,9 +1,10 @@
 """The system calls Python's ``os`` lacks, through ctypes: one libc handle, one way to fail.
 
-prctl, unshare, setns, mount, fallocate and raw syscall(2), with the constants their callers
-name. Each wrapper raises ``OSError`` with the errno and the call's name, except the ``try_``
-forms, which return the errno (0 on success) for callers that treat a refusal as an answer ("not
-permitted here"), not an error. A leaf module: it imports nothing of sandbx-pool.
+prctl, unshare, setns, mount, fallocate, fstatfs and raw syscall(2), with the constants their
+callers name. Each wrapper raises ``OSError`` with the errno and the call's name, except the
+``try_`` forms, which return the errno (0 on success) for callers that treat a refusal as an
+answer ("not permitted here"), and ``filesystem_type``, which answers 0, not an error. A leaf
+module: it imports nothing of sandbx-pool.
 
 ``bare_fork`` keeps a handle of its own: it needs ``ctypes.PyDLL`` (the GIL held across fork),
 which no other call here wants.
@@ -74,6 +75,17 @@ def try_fallocate(fd: int, mode: int, offset: int, length: int) -> int:
     if function(fd, mode, offset, length) != 0:
         return ctypes.get_errno()
     return 0
+
+
+def filesystem_type(fd: int) -> int:
+    """fstatfs(2)'s ``f_type`` (the filesystem's magic number) of what ``fd`` is open on; 0
+    when it cannot be had (os.statvfs has no type)."""
+    # struct statfs opens with f_type, a C long on every Linux ABI; 256 bytes hold the whole
+    # struct (120 on x86_64 and aarch64).
+    buffer = ctypes.create_string_buffer(256)
+    if _libc.fstatfs(fd, buffer) != 0:
+        return 0
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
 
 
 def _failed(what: str) -> OSError:
