@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import marked_config
-from helpers import wait_until
+from helpers import pids_with, tagged_sleep, unique_tag, wait_until
 
 from sandbx_pool import Pool, Status
 from sandbx_pool.workers import cgroups
@@ -169,6 +170,75 @@ async def test_a_command_over_the_limit_is_refused_forks_and_named(pool: Pool) -
     assert under.value is not None
     assert int(under.value["stdout"]) == 30, under.value
     assert under.limit is None
+
+
+def _joined_while_idle(pool_cgroup: str) -> list[str]:
+    """The workers' own cgroups (w<n>) that hold a process: a worker that has joined one."""
+    held = []
+    with os.scandir(pool_cgroup) as entries:
+        for entry in entries:
+            if not entry.name.startswith("w"):
+                continue
+            try:
+                if _read(f"{entry.path}/cgroup.procs"):
+                    held.append(entry.name)
+            except FileNotFoundError:
+                pass  # a reaped worker's, removed by the template meanwhile
+    return held
+
+
+async def test_an_idle_worker_joins_its_cgroup_before_its_call_and_is_capped_there(
+    guard: str, workspace: Path, tmp_path: Path
+) -> None:
+    """Past JOIN_WHEN_IDLE_MS without a call, a worker joins its own cgroup while nobody waits
+    (a migration can wait out an RCU grace period: 5-15 ms a bash call used to pay); the
+    call that comes later is capped in it as if it had joined then, and a file tool's worker
+    that joined for nothing leaves no cgroup behind."""
+    config = marked_config(
+        pool={"workers": 1, "prefork": 1}, calls={"grace_s": 0.0}, limits={"processes": LIMIT}
+    )
+    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
+        pool_cgroup = _pool_cgroup(pool)
+        await wait_until(
+            lambda: len(_joined_while_idle(pool_cgroup)) == 1,
+            within_s=10,
+            what="the idle worker in a cgroup of its own",
+        )
+        command = f"python3 -c '{FORKER}' 100"
+        over = await pool.call("bash", {"command": command}, limits=Limits(processes=20))
+        assert over.status is Status.OK, over
+        assert over.value is not None
+        assert 10 <= int(over.value["stdout"]) < 20, over.value
+        assert over.limit == "processes"
+        await wait_until(
+            lambda: len(_joined_while_idle(pool_cgroup)) == 1,
+            within_s=10,
+            what="the next idle worker in a cgroup of its own",
+        )
+        read = await pool.call("read", {"path": "."})
+        assert read.started
+    assert not _exists(pool_cgroup)
+
+
+async def test_with_no_process_limit_a_command_still_gets_a_cgroup_that_ends_what_it_left(
+    guard: str, containment: str, workspace: Path, tmp_path: Path
+) -> None:
+    """``processes = 0`` (no limit): the call still joins a cgroup of its own, where, without
+    a PID namespace, its daemons are found and killed. It used to join none, and its worker
+    then died reading the missing cgroup's members: every bash call "crashed"."""
+    config = marked_config(pool={"workers": 1, "prefork": 0}, limits={"processes": 0})
+    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
+        assert pool._template is not None
+        if pool._template.containment != containment:
+            pytest.skip(f"{containment} containment is not available here")
+        tag = unique_tag()
+        daemon = f"setsid bash -c {shlex.quote(tagged_sleep(tag))} > /dev/null 2>&1 &"
+        command = f"{daemon} echo started"
+        outcome = await pool.call("bash", {"command": command}, timeout=10.0)
+        assert outcome.status is Status.OK, outcome
+        assert outcome.value is not None
+        assert outcome.value["stdout"] == "started\n"
+        await wait_until(lambda: not pids_with(tag), within_s=10, what="the daemon killed")
 
 
 async def test_template_refused_a_fork_fails_the_call_and_keeps_serving(pool: Pool) -> None:

@@ -8,11 +8,14 @@ every process in its cgroup, root included, and counts threads as well as proces
                                            template's pid and start time (cleanup_stale's proof
                                            that its maker is dead)
     <base>/sandbx-<pid>-<start>/template   the template itself, a leaf
+    <base>/sandbx-<pid>-<start>/idle       where every forked worker waits for its call
     <base>/sandbx-<pid>-<start>/w<n>       one per worker (n: its token's counter), made and
-                                           joined by the worker while idle, before it sends
-                                           Ready; its pids.max is written when the call comes
-                                           (the call's Limits.processes); removed by the
-                                           template once the worker is reaped
+                                           joined by the worker once it has been idle a while
+                                           (runtime.JOIN_WHEN_IDLE_MS) or when its call runs
+                                           programs, whichever comes first; its pids.max is
+                                           written when such a call comes (the call's
+                                           Limits.processes); removed by the template once the
+                                           worker is reaped
 
 v1: <base> is our own pids cgroup. v2: a cgroup whose cgroup.subtree_control enables a
 controller may hold no processes ("no internal processes", the root excepted), so our own
@@ -155,8 +158,9 @@ class PoolCgroup:
     @property
     def idle_path(self) -> str:
         """Where forked workers wait for their call: out of the template's cgroup (whose
-        pids.max is the template's own), in one cgroup for all, joined with one write. Only a
-        worker whose call runs programs makes a cgroup of its own (``enter``), at call time."""
+        pids.max is the template's own), in one cgroup for all, joined with one write. A worker
+        makes a cgroup of its own (``enter``) when its call runs programs, or before, while
+        idle (workers.runtime.JOIN_WHEN_IDLE_MS)."""
         return f"{self.path}/{IDLE}"
 
     def end_worker(self, name: str) -> bool:
@@ -186,9 +190,12 @@ def join(path: str) -> None:
 
 
 def enter(path: str) -> None:
-    """In a worker whose call runs programs, before it starts any: make ``path``, join it. Its
-    pids.max stays "max" until cap()."""
-    os.mkdir(path)
+    """In a worker, while idle or for a call that runs programs, before it starts any: make
+    ``path``, join it. Its pids.max stays "max" until cap()."""
+    # It may exist: made by this worker while idle, whose join then failed. Nothing else makes
+    # it: the name is the worker's own, and calls cannot write to cgroupfs.
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
     join(path)
 
 

@@ -1,7 +1,8 @@
 """The life of one worker, from the moment the template forked it: one call, then exit.
 
-    rehearse -> prepare the confinement -> connect DEALER -> send Ready -> receive Call
-    -> bash: join its pids cgroup and cap its processes (pids.max)
+    rehearse -> prepare the confinement -> connect DEALER -> send Ready
+    -> (no call for JOIN_WHEN_IDLE_MS: join its own pids cgroup meanwhile) -> receive Call
+    -> bash, grep: join its pids cgroup (unless done while idle), cap its processes (pids.max)
     -> confine (workers.sandbox) -> apply limits
     -> run the tool (bash: Output messages as it prints, when the call streams)
     -> kill whatever the tool left running -> send Result -> exit
@@ -53,6 +54,16 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 
 #: Exit status of a worker that could not hand its Result over (the coordinator stopped reading).
 EXIT_UNDELIVERED = 74
+
+#: How long an idle worker waits for its call before it makes and joins its own pids cgroup
+#: anyway. Joining a cgroup migrates the process, and a migration waits for an RCU grace
+#: period when none ran lately: 5-15 ms measured here, which a bash or grep call that came
+#: to a worker not yet in its cgroup paid on its own clock (a grep of 20,000 files: 1.25x
+#: rg's time instead of 1.1x; a spaced-out bash "true": 17 ms instead of 6). A worker idle this
+#: long serves a pool whose calls are spaced out (an agent between turns): it joins while
+#: nobody waits. In a busy pool a worker gets its call sooner, and a file tool's worker never
+#: joins (about 0.3 ms of CPU, the template's rmdir included, that a read does not need).
+JOIN_WHEN_IDLE_MS = 50
 
 #: How long a worker waits on a coordinator that is alive but not answering: to accept its
 #: connection, to answer its handshake, to read what it sends, to finish sending a Call.
@@ -199,28 +210,51 @@ def rehearse_call() -> None:
     encoder.encode(run_call(call))
 
 
-def _cap_processes(path: str, processes: int) -> None:
-    """Join the worker's pids cgroup and set the call's limit on it."""
+def _cap_processes(path: str, processes: int | None, joined: bool) -> None:
+    """Join the worker's pids cgroup (unless it did while idle) and set the call's limit on it
+    (None: no limit, "max")."""
     try:
-        cgroups.enter(path)
+        if not joined:
+            cgroups.enter(path)
         cgroups.cap(path, processes)
     except OSError as exc:
-        raise sandbox.SandboxError(f"cannot apply the process limit ({processes}): {exc}") from exc
+        what = "join the call's pids cgroup" if processes is None else "apply the process limit"
+        raise sandbox.SandboxError(f"cannot {what} ({processes}): {exc}") from exc
 
 
-def _wait_for_call(connection: zmtp.Dealer, template_pidfd: int) -> bytes:
-    """The Call's bytes, once they come; exits if the template dies first."""
+def _join_while_idle(path: str) -> bool:
+    """Make and join the worker's own pids cgroup before its call comes; False if that failed
+    (the call, if it runs programs, tries again and fails visibly if it must)."""
+    try:
+        cgroups.enter(path)
+    except OSError:
+        return False
+    return True
+
+
+def _wait_for_call(
+    connection: zmtp.Dealer, template_pidfd: int, pids_cgroup: str | None
+) -> tuple[bytes, bool]:
+    """The Call's bytes once they come, and whether the worker joined ``pids_cgroup`` while it
+    waited (JOIN_WHEN_IDLE_MS); exits if the template dies first."""
     waiting = select.poll()
     waiting.register(connection.fileno(), select.POLLIN)
     waiting.register(template_pidfd, select.POLLIN)
+    joined = False
+    idle_ms = JOIN_WHEN_IDLE_MS if pids_cgroup is not None else None
     while True:
-        ready = {fd for fd, _ in waiting.poll()}
+        ready = {fd for fd, _ in waiting.poll(idle_ms)}
+        if not ready and pids_cgroup is not None:
+            # Idle long enough: the join's grace period is nobody's wait now. A call that comes
+            # meanwhile waits in the socket until it is done.
+            joined, idle_ms = _join_while_idle(pids_cgroup), None
+            continue
         if template_pidfd in ready:
             os._exit(EXIT_ORPHANED)
         if connection.fileno() in ready:
             payload = connection.recv(timeout_s=PEER_TIMEOUT_S)
             if payload is not None:
-                return payload
+                return payload, joined
 
 
 def serve(
@@ -237,9 +271,10 @@ def serve(
     ``template_pidfd`` becomes readable when the template exits: an idle worker whose template
     is gone (PDEATHSIG covers that too, this is the second line) exits instead of waiting for a
     call that can never come. ``file_rules`` is the file tools' Landlock ruleset, built once by
-    the template (workers.rules). ``pids_cgroup``: the cgroup this worker has joined, whose
-    pids.max the call's ``Limits.processes`` sets (None: no pids controller is writable here,
-    and the limit is not enforced; ``sandbx-pool doctor`` says so). ``rehearse``: walk the
+    the template (workers.rules). ``pids_cgroup``: the cgroup this worker makes and joins, while
+    idle or for a call that runs programs, whose pids.max the call's ``Limits.processes`` sets
+    (None: no pids controller is writable here, and the limit is not enforced; ``sandbx-pool
+    doctor`` says so). ``rehearse``: walk the
     call's path once before connecting (False for a light template's workers: see there).
     """
     # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it,
@@ -261,7 +296,7 @@ def serve(
         )
         connection.handshake(timeout_s=PEER_TIMEOUT_S)
         connection.send(encoder.encode(Ready(token=token)), timeout_s=PEER_TIMEOUT_S)
-        payload = _wait_for_call(connection, template_pidfd)
+        payload, joined = _wait_for_call(connection, template_pidfd, pids_cgroup)
     except zmtp.ProtocolError:
         raise  # a bug on one side or the other: let the traceback show it
     except (ConnectionError, TimeoutError):
@@ -279,12 +314,13 @@ def serve(
     processes = call.context.limits.processes
     confinement = None
     try:
-        if runs_programs and pids_cgroup is not None and processes is not None:
+        if runs_programs and pids_cgroup is not None:
             # Before confine(): from then on the worker may not write to cgroupfs (Landlock
             # grants /sys read-only), and neither may anything the tool starts. Only a tool
-            # that runs programs can fork: the others never join a cgroup at all (~0.3 ms of
-            # a read's CPU each, measured).
-            _cap_processes(pids_cgroup, processes)
+            # that runs programs can fork: the others join no cgroup for their call (~0.3 ms
+            # of a read's CPU each, measured). With no limit too: without a PID namespace, the
+            # cgroup is where what the command left is found (kill_others below).
+            _cap_processes(pids_cgroup, processes, joined)
         confinement = sandbox.confine(call, prepared, runs_programs=runs_programs)
     except sandbox.SandboxError as exc:
         result = Result(call_id=call.context.call_id, status="error", error=str(exc))

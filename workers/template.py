@@ -258,8 +258,9 @@ class Template:
             cgroup_path = None
             if self.pids_cgroup is not None:
                 # Out of the template's cgroup at once (its pids.max is the template's), into
-                # the idle workers' one: a single write. A cgroup of its own, only if its call
-                # runs programs (runtime.serve): a file tool starts nothing.
+                # the idle workers' one: a single write. A cgroup of its own once idle a while,
+                # or for a call that runs programs (runtime.serve): a busy file tool's starts
+                # nothing and never needs one.
                 cgroup_path = self.pids_cgroup.worker_path(cgroup)
                 try:
                     cgroups.join(self.pids_cgroup.idle_path)
