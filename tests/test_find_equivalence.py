@@ -504,6 +504,24 @@ def test_no_split_below_the_threshold(tmp_path: Path, monkeypatch: pytest.Monkey
     assert started == []
 
 
+def test_no_split_on_one_cpu(tree: Path, split: list[int]) -> None:
+    """Allowed one CPU (taskset, a cpuset), the walk never forks a helper: both would take
+    turns on that CPU, and the fork and the merge would only add to the call."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        ctx = context(tree)
+        args = {"pattern": "**", "hidden": True}
+        assert find(ctx, **args) == reference_find(parse_args("find", args), ctx)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert split == []
+    # The control: the same call on every CPU allowed splits (SPLIT_AFTER is 0 here).
+    if len(allowed) > 1:
+        find(context(tree), pattern="**", hidden=True)
+        assert split
+
+
 def _garbage(self: Any) -> bytes:
     return b"\xc1 not msgpack"
 

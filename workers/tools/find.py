@@ -34,7 +34,9 @@ half of the top directory's remaining subdirectories goes to a forked helper
 (``workers.tools.helper_process``), whose capped answer the worker appends to its own. The
 answer is the sequential walk's, truncation included; a helper that cannot be forked, dies
 or answers garbage leaves its part to the worker. The split is static (a half by count of
-subdirectories), so a tree whose bulk lies in one top-level directory gains nothing.
+subdirectories), so a tree whose bulk lies in one top-level directory gains nothing. A worker
+allowed one CPU never splits: the helper would take turns with it there (through the pool on
+one CPU, ``taskset -c 0``: 1.44-1.54x ``rg --files`` splitting, 1.31-1.36x not).
 
 Tried and no faster: judging a whole listing through ``itertools`` filters and interleaving
 its paths with the subdirectories by ``bisect`` (44.8 against 45.2 ms at the time: the lists
@@ -80,6 +82,9 @@ _RESULT_OVERHEAD = 32
 #: it saves (a worker lists 200-600 entries a millisecond; the fork and the answer's merge
 #: cost 1-3 ms). 1,000 and 2,000 measured alike on the search bench, within its noise.
 SPLIT_AFTER = 1000
+
+#: ``split_after`` once the walk will not split (again).
+NEVER = 1 << 62
 
 #: Filesystems whose directories count their subdirectories in ``st_nlink`` (2, plus one for
 #: each subdirectory's ``..``), as Unix filesystems always have: there a directory of link
@@ -376,7 +381,9 @@ class _Search:
         self.base = base
         self.room = room
         self.answer = _Answer(room)
-        self.split_after = SPLIT_AFTER
+        # One CPU to run on (taskset, a container's cpuset): a helper would only take turns
+        # with the worker on it, and add its fork and its answer's merge.
+        self.split_after = SPLIT_AFTER if len(os.sched_getaffinity(0)) > 1 else NEVER
         self.helper: Helper | None = None
         self.handed: list[os.DirEntry[str]] = []  # the top directory's entries the helper takes
         self.top: list[os.DirEntry[str]] = []
@@ -421,7 +428,7 @@ class _Search:
 
         Called once, past ``split_after`` entries, between two directories: the top
         directory's frame is not being iterated then, so its iterator can be replaced."""
-        self.split_after = 1 << 62  # once per call, whatever it decides
+        self.split_after = NEVER  # once per call, whatever it decides
         top = stack[0]
         rest = list(top[3])
         dirs = [i for i, entry in enumerate(rest) if self._worth_entering(entry)]
