@@ -12,6 +12,7 @@ that a shared machine's noise falls on both alike.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
 import time
@@ -53,17 +54,28 @@ def run(ws: BenchWorkspace, *, calls: int) -> ClusterResult:
     # Ray's sessions (logs, sockets) in a directory of ours, removed at the end: short, for the
     # unix sockets' 107-byte path limit (the run's own directory is too deep).
     temp_dir = tempfile.mkdtemp(prefix="sbx-ray-")
+    # Whatever temp_dir says, Ray writes the head's address to <tmp>/ray/ray_current_cluster,
+    # and fails when that directory does not exist (a fresh machine): after the head started,
+    # whose processes a Cluster that raised in its constructor would leave running.
+    address_dir = os.path.join(tempfile.gettempdir(), "ray")
+    made_address_dir = not os.path.isdir(address_dir)
+    os.makedirs(address_dir, exist_ok=True)
     node = {"num_cpus": 1, "object_store_memory": 80_000_000, "temp_dir": temp_dir}
-    cluster = Cluster(initialize_head=True, connect=True, head_node_args=node)
+    cluster = Cluster()  # the head comes in the try: a failure there still shuts it down
     try:
+        cluster.add_node(**node)
+        cluster.connect()
         cluster.add_node(**node)
         cluster.wait_for_nodes()
         return asyncio.run(_run(ws, calls))
     finally:
-        shutdown_node_pools()
-        ray.shutdown()
+        if ray.is_initialized():
+            shutdown_node_pools()
+            ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        if made_address_dir:
+            shutil.rmtree(address_dir, ignore_errors=True)
 
 
 async def _run(ws: BenchWorkspace, calls: int) -> ClusterResult:
