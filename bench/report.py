@@ -24,7 +24,7 @@ from bench.oneshot import RATIO_BAR, OneShotResult
 from bench.procs import Leftovers
 from bench.search import SearchResult
 from bench.soak import KINDS, SoakResult
-from bench.streaming import StreamingResult
+from bench.streaming import IDLE_GAP_S, StreamingResult
 from bench.throughput import ConnectionCost, ThroughputResult
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -466,7 +466,11 @@ def _bars(report: Report) -> str:
 
 
 def _streaming(result: StreamingResult) -> str:
-    named = (("bash, no callback", result.plain), ("bash, on_output", result.streamed))
+    named = (
+        ("bash, no callback", result.plain),
+        ("bash, on_output", result.streamed),
+        (f"bash, no callback, {IDLE_GAP_S:g} s idle before each call", result.idle),
+    )
     rows = [
         (name, str(samples.count), ms(samples.percentile_ms(50)), ms(samples.percentile_ms(95)))
         for name, samples in named
@@ -475,7 +479,8 @@ def _streaming(result: StreamingResult) -> str:
         "## Streaming: `echo hi` with and without on_output\n\n"
         + table(("row", "calls", "p50", "p95"), rows, "lrrr")
         + f"\n\nA callback costs {result.cost_pct:+.1f}% at p50. Without one the worker sends"
-        " no Output message; compare that row with an earlier commit's (bar: within 5%)."
+        " no Output message; compare that row with an earlier commit's (bar: within 5%). The"
+        " idle row is a call after the pool had nothing to do, as between an agent's turns."
     )
 
 

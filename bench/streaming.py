@@ -5,6 +5,11 @@ both alike: without an on_output callback (the worker sends no Output message: t
 call without a watcher takes) and with one (one Output message, handed to the callback). The
 bar is on the first: streaming must cost a call that does not ask for it nothing that shows
 (compare this row with the same section on an earlier commit: within 5%).
+
+A third row pauses ``IDLE_GAP_S`` before each call, as an agent does between turns: the pool
+has nothing to do meanwhile, and what a call then costs is what the back-to-back rows hide (a
+worker's pids cgroup join used to wait out an RCU grace period on the call's clock: see
+``workers.runtime.JOIN_WHEN_IDLE_MS``).
 """
 
 from __future__ import annotations
@@ -23,11 +28,17 @@ PLAIN = "bash-no-callback"
 STREAMED = "bash-on-output"
 ROUNDS = 10
 
+#: The pause before each call of the idle row, and how many such calls (a fifth of the others'
+#: count, at most 40: each costs the pause).
+IDLE_GAP_S = 0.3
+IDLE_CALLS_MAX = 40
+
 
 @dataclass
 class StreamingResult:
     plain: Samples
     streamed: Samples
+    idle: Samples
 
     @property
     def cost_pct(self) -> float:
@@ -57,5 +68,12 @@ async def _run(ws: BenchWorkspace, calls: int) -> StreamingResult:
                     outcome = await pool.call("bash", {"command": "echo hi"}, on_output=callback)
                     times.add(time.perf_counter_ns() - start)
                     assert outcome.ok, outcome
-    logger.info("streaming: {} + {} bash calls", plain.count, streamed.count)
-    return StreamingResult(plain, streamed)
+        idle = Samples()
+        for _ in range(min(IDLE_CALLS_MAX, max(1, calls // 5))):
+            await asyncio.sleep(IDLE_GAP_S)
+            start = time.perf_counter_ns()
+            outcome = await pool.call("bash", {"command": "echo hi"})
+            idle.add(time.perf_counter_ns() - start)
+            assert outcome.ok, outcome
+    logger.info("streaming: {} + {} + {} bash calls", plain.count, streamed.count, idle.count)
+    return StreamingResult(plain, streamed, idle)
