@@ -59,10 +59,11 @@ EXIT_UNDELIVERED = 74
 #: anyway. Joining a cgroup migrates the process, and a migration waits for an RCU grace
 #: period when none ran lately: 5-15 ms measured here, which a bash or grep call that came
 #: to a worker not yet in its cgroup paid on its own clock (a grep of 20,000 files: 1.25x
-#: rg's time instead of 1.1x; a spaced-out bash "true": 17 ms instead of 6). A worker idle this
-#: long serves a pool whose calls are spaced out (an agent between turns): it joins while
-#: nobody waits. In a busy pool a worker gets its call sooner, and a file tool's worker never
-#: joins (about 0.3 ms of CPU, the template's rmdir included, that a read does not need).
+#: rg's time, 1.12x joined while idle; bash "true" 0.3 s after the last call: 17 ms at p50,
+#: 8.8 ms joined while idle, 5.6 ms back to back). A worker idle this long serves a pool
+#: whose calls are spaced out (an agent between turns): it joins while nobody waits. In a busy
+#: pool a worker gets its call sooner, and a busy file tool's worker never joins (about 0.3 ms
+#: of CPU, the template's rmdir included, that a read does not need).
 JOIN_WHEN_IDLE_MS = 50
 
 #: How long a worker waits on a coordinator that is alive but not answering: to accept its
@@ -218,8 +219,12 @@ def _cap_processes(path: str, processes: int | None, joined: bool) -> None:
             cgroups.enter(path)
         cgroups.cap(path, processes)
     except OSError as exc:
-        what = "join the call's pids cgroup" if processes is None else "apply the process limit"
-        raise sandbox.SandboxError(f"cannot {what} ({processes}): {exc}") from exc
+        what = (
+            "join the call's pids cgroup"
+            if processes is None
+            else f"apply the process limit ({processes})"
+        )
+        raise sandbox.SandboxError(f"cannot {what}: {exc}") from exc
 
 
 def _join_while_idle(path: str) -> bool:
@@ -244,7 +249,7 @@ def _wait_for_call(
     idle_ms = JOIN_WHEN_IDLE_MS if pids_cgroup is not None else None
     while True:
         ready = {fd for fd, _ in waiting.poll(idle_ms)}
-        if not ready and pids_cgroup is not None:
+        if not ready and idle_ms is not None and pids_cgroup is not None:
             # Idle long enough: the join's grace period is nobody's wait now. A call that comes
             # meanwhile waits in the socket until it is done.
             joined, idle_ms = _join_while_idle(pids_cgroup), None
