@@ -11,13 +11,24 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-SECTIONS = ("latency", "cancel", "throughput", "soak", "streaming", "search", "cluster", "oneshot")
+SECTIONS = (
+    "latency",
+    "cancel",
+    "hung",
+    "throughput",
+    "soak",
+    "streaming",
+    "search",
+    "cluster",
+    "oneshot",
+)
 
 
 @dataclass(frozen=True)
 class Counts:
     latency_calls: int = 400
     cancels: int = 100
+    hung_stops: int = 20
     throughput_calls: int = 2000
     soak_calls: int = 2000
     streaming_calls: int = 400
@@ -28,6 +39,7 @@ class Counts:
 QUICK = Counts(
     latency_calls=60,
     cancels=20,
+    hung_stops=5,
     throughput_calls=300,
     soak_calls=200,
     streaming_calls=60,
@@ -71,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import (
         cancel,
         cluster,
+        hung,
         latency,
         oneshot,
         report,
@@ -108,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.latency = latency.run(ws, calls=counts.latency_calls)
                 elif section == "cancel":
                     result.cancel = cancel.run(ws, count=counts.cancels)
+                elif section == "hung":
+                    result.hung = hung.run(ws, count=counts.hung_stops)
                 elif section == "throughput":
                     result.throughput = throughput.run(ws, calls=counts.throughput_calls)
                 elif section == "soak":

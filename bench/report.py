@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from bench import cancel, latency, search, throughput
+from bench import cancel, hung, latency, search, throughput
 from bench.cancel import CancelResult
 from bench.cluster import LOCAL, RAY, ClusterResult
+from bench.hung import HungResult
 from bench.latency import LatencyResult
 from bench.oneshot import RATIO_BAR, OneShotResult
 from bench.procs import Leftovers
@@ -39,6 +40,7 @@ class Report:
     duration_s: float = math.nan
     latency: LatencyResult | None = None
     cancel: CancelResult | None = None
+    hung: HungResult | None = None
     throughput: ThroughputResult | None = None
     soak: SoakResult | None = None
     streaming: StreamingResult | None = None
@@ -224,6 +226,27 @@ def _cancel(result: CancelResult) -> str:
         + "\n\n"
         + "\n".join(f"- {note}" for note in notes)
     )
+
+
+def _hung(result: HungResult) -> str:
+    title = "## A stop on a hung filesystem\n\n"
+    if result.skipped is not None:
+        return title + f"Not measured: {result.skipped}."
+    rows = []
+    for row in result.rows:
+        statuses = ", ".join(f"{k} {v}" for k, v in sorted(row.statuses.items()))
+        maximum = row.samples.percentile_ms(100)
+        rows.append(
+            (row.name, row.stop, row.samples.count, ms(row.samples.p50), ms(maximum), statuses)
+        )
+    header = ("call held by the mount", "stopped by", "n", "p50 ms", "max ms", "outcomes")
+    notes = [
+        "From the cancel (or the deadline) to `await pool.call(...)` returning, on a FUSE mount "
+        "whose reads and lookups never answer: the reader sleeps in state D, where no signal "
+        "reaches it, and is quarantined. Default `[calls]` (grace 1 s, kill wait 0.5 s); the bar "
+        f"is {hung.BAR_S * 1000:.0f} ms.",
+    ]
+    return title + table(header, rows, "ll") + "\n\n" + "\n".join(f"- {n}" for n in notes)
 
 
 def _kib(value: int | None) -> str:
@@ -431,6 +454,16 @@ def _bars(report: Report) -> str:
             bar(f"cancel p50 / p95: {row.key}", "<= 5 / 25 ms", value, met)
         left = report.cancel.left_after_close
         bar("processes left after the cancels", "0", _left(left), left.count == 0)
+    if report.hung is not None:
+        for hung_row in report.hung.rows:
+            worst = hung_row.samples.percentile_ms(100)
+            value = f"{ms(hung_row.samples.p50)} / {ms(worst)} ms"
+            bar(
+                f"hung mount, {hung_row.name}: p50 / max",
+                "<= 300 ms",
+                value,
+                worst <= hung.BAR_S * 1000,
+            )
     if report.throughput is not None:
         sandbx = report.throughput.row(throughput.SANDBX)
         if sandbx is not None:
@@ -526,6 +559,8 @@ def render(report: Report) -> str:
         parts.append(_latency(report.latency))
     if report.cancel is not None:
         parts.append(_cancel(report.cancel))
+    if report.hung is not None:
+        parts.append(_hung(report.hung))
     if report.throughput is not None:
         parts.append(_throughput(report.throughput))
     if report.soak is not None:

@@ -30,15 +30,17 @@ from sandbx_pool.config import CallSettings
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
-from sandbx_pool.worker_handle import Worker, describe_stuck
+from sandbx_pool.worker_handle import Stopped, Worker, describe_stuck
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Call, Limits, encoder
-from sandbx_pool.workers.schemas import RUNS_PROGRAMS
 
 #: A worker's Result and its exit notice travel on different channels, so the exit may be seen
 #: first. After a clean exit (the Result was handed to ZeroMQ), wait this long for it; after a
 #: crash, only this brief moment, in case it died right after sending.
 RESULT_IN_FLIGHT_S = 5.0
 CRASH_RESULT_GRACE_S = 0.05
+
+#: The tools whose stop begins with SIGTERM and ``CallSettings.grace_s`` to clean up.
+GRACE_TOOLS = frozenset({"bash"})
 
 #: Largest value a limit may carry: setrlimit takes a signed 64-bit rlim_t in the worker.
 MAX_LIMIT = 2**63 - 1
@@ -139,9 +141,10 @@ async def execute(
             **common,
         )
     if call.killer is not None:
-        if await stop_worker(call, worker, settings):
+        stopped = await stop_worker(call, worker, settings)
+        if stopped.quarantined:
             common.update(quarantined=True, wchan=worker.wchan, stuck_pid=worker.stuck_pid)
-        else:
+        elif stopped.warned:
             common["value"] = await partial_value(call, worker, settings)
         return call.outcome(
             STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason, **common
@@ -158,10 +161,9 @@ async def execute(
 
 
 async def partial_value(call: CallState, worker: Worker, settings: CallSettings) -> Any:
-    """After a kill, a bash call's output until then: its worker survives the SIGTERM and
-    answers (``Result.stopped``) before its clean exit, which is seen on another channel."""
-    if call.tool not in RUNS_PROGRAMS or settings.grace_s <= 0:
-        return None  # no SIGTERM was sent: the worker was killed without a word
+    """After a kill that began with SIGTERM, a bash call's output until then: its worker
+    survives the SIGTERM and answers (``Result.stopped``) before its clean exit, which is seen
+    on another channel."""
     if not call.result.done():
         # The worker is dead by now: its exit notice follows at once.
         either: set[asyncio.Future[Any]] = {call.result, worker.exited}
@@ -183,20 +185,22 @@ def dispatch(call: CallState, worker: Worker, payload: bytes, send: Send) -> Non
         logger.warning("cannot send call {} to worker {}: {}", call.call_id, worker.pid, exc)
 
 
-async def stop_worker(call: CallState, worker: Worker, settings: CallSettings) -> bool:
-    """Kill the worker's process group; True when it would not die and was quarantined."""
-    # A program gets SIGTERM first so that it can clean up; our own tools hold nothing.
-    grace_s = settings.grace_s if call.tool in RUNS_PROGRAMS else 0.0
-    stuck = await worker.stop(grace_s=grace_s, kill_wait_s=settings.kill_wait_s)
-    if stuck:
+async def stop_worker(call: CallState, worker: Worker, settings: CallSettings) -> Stopped:
+    """Kill the worker's process group, with a grace to clean up where one can be used."""
+    # Only a program of the user's (bash) may want to clean up on SIGTERM; our own tools, rg
+    # included, hold nothing worth a grace, and a stop must not wait on them (a hung mount).
+    grace_s = settings.grace_s if call.tool in GRACE_TOOLS else 0.0
+    stopped = await worker.stop(grace_s=grace_s, kill_wait_s=settings.kill_wait_s)
+    if stopped.quarantined:
         logger.warning(
             "call {}: worker did not die after SIGKILL: {}", call.call_id, describe_stuck(worker)
         )
-    return stuck
+    return stopped
 
 
 __all__ = [
     "CRASH_RESULT_GRACE_S",
+    "GRACE_TOOLS",
     "MAX_LIMIT",
     "RESULT_IN_FLIGHT_S",
     "Unsendable",

@@ -8,8 +8,9 @@
         |  waits for the first of: Result | kill request (token, task, timeout, shutdown)
         |  | the worker's exit (crash)
         |  on a kill: SIGTERM (bash, then SIGKILL after the grace) or SIGKILL to the worker's
-        |  group, then wait for its exit; if it does not die (state D on a hung mount), the
-        |  caller is released anyway and the worker is quarantined until it is reaped
+        |  group (any other tool, or a command asleep in the kernel), then wait for its exit;
+        |  if it does not die (state D on a hung mount), the caller is released anyway and the
+        |  worker is quarantined until it is reaped
         v
     journal outcome --> Outcome to the caller
 

@@ -8,9 +8,31 @@ import enum
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from sandbx_pool.workers.procfs import children
+
+#: After SIGKILL a process the kernel does not hold is gone within a millisecond or two. One still
+#: there after this long with a thread in uninterruptible sleep (state D) is held by the kernel,
+#: a hung filesystem most likely, and may stay for minutes: it is quarantined at once instead of
+#: after all of ``kill_wait_s``, so a stop on a hung mount releases its caller in about this
+#: long. Too short costs nothing worse than a worker reported stuck that dies a moment later (it
+#: is reaped as any quarantined worker is); too long is added to every stop on a hung mount.
+KERNEL_HOLD_SETTLE_S = 0.05
+#: Before a command is judged beyond a SIGTERM's reach (every process in state D), it is seen so
+#: twice this far apart: a process is in state D for a moment many times in its life (a page read
+#: from disk, an exec), and a grace taken from a command that could use it loses its output.
+KERNEL_HOLD_RECHECK_S = 0.02
+
+
+class Stopped(NamedTuple):
+    """How ``Worker.stop`` went."""
+
+    #: SIGTERM came first: a bash worker then answers with the output until the kill.
+    warned: bool
+    #: It would not die after SIGKILL: the kernel holds it, and it is quarantined.
+    quarantined: bool
 
 
 class WorkerState(enum.IntEnum):
@@ -99,19 +121,56 @@ class Worker:
             return False
         return True
 
-    async def stop(self, *, grace_s: float, kill_wait_s: float) -> bool:
+    async def stop(self, *, grace_s: float, kill_wait_s: float) -> Stopped:
         """Kill the process group: SIGTERM and ``grace_s`` to clean up first if that is > 0,
-        then SIGKILL. True when the worker would not die within ``kill_wait_s`` of the SIGKILL
-        (stuck in the kernel) and was quarantined; its caller is released all the same."""
-        if grace_s > 0:
+        then SIGKILL. Quarantined when the worker would not die within ``kill_wait_s`` of the
+        SIGKILL (stuck in the kernel); its caller is released all the same.
+
+        The kernel's uninterruptible sleep (state D) shortens both waits: no SIGTERM reaches a
+        process in it, so a command whose every process sleeps there (at the kill, or
+        ``KERNEL_HOLD_SETTLE_S`` into the grace, once the rest of a pipeline took its SIGTERM)
+        gets SIGKILL at once; and a worker still holding a thread there that long after SIGKILL
+        is quarantined without waiting out the rest of ``kill_wait_s``."""
+        warned = grace_s > 0 and not await self._stays_held(self.command_held_by_kernel)
+        if warned:
             self.signal_group(signal.SIGTERM)
-            if await self.wait_gone(grace_s):
-                return False
+            settle_s = min(KERNEL_HOLD_SETTLE_S, grace_s)
+            if await self.wait_gone(settle_s):
+                return Stopped(warned=True, quarantined=False)
+            held = await self._stays_held(self.command_held_by_kernel)
+            rest_s = max(0.0, grace_s - settle_s - KERNEL_HOLD_RECHECK_S)
+            if not held and await self.wait_gone(rest_s):
+                return Stopped(warned=True, quarantined=False)
         self.signal_group(signal.SIGKILL)
-        if await self.wait_gone(kill_wait_s):
-            return False
+        settle_s = min(KERNEL_HOLD_SETTLE_S, kill_wait_s)
+        if await self.wait_gone(settle_s):
+            return Stopped(warned=warned, quarantined=False)
+        if not self.held_by_kernel() and await self.wait_gone(kill_wait_s - settle_s):
+            return Stopped(warned=warned, quarantined=False)
         self.quarantine()
-        return True
+        return Stopped(warned=warned, quarantined=True)
+
+    async def _stays_held(self, held: Callable[[], bool]) -> bool:
+        """Whether ``held()`` is true now and again ``KERNEL_HOLD_RECHECK_S`` later, the worker
+        still alive: a moment in state D (a page read from disk, an exec) is over by then."""
+        if not held():
+            return False
+        return not await self.wait_gone(KERNEL_HOLD_RECHECK_S) and held()
+
+    def held_by_kernel(self) -> bool:
+        """Whether a process of the worker's tree has a thread in uninterruptible sleep."""
+        if self.pid is None:
+            return False
+        return any(_stuck_thread(pid) is not None for pid in [self.pid, *descendants(self.pid)])
+
+    def command_held_by_kernel(self) -> bool:
+        """Whether every process the worker's call runs, but those waiting for a child, is in
+        uninterruptible sleep: then none of them can take a SIGTERM, and a grace to clean up
+        would only hold the caller (a ``cat`` of a file on a hung mount)."""
+        if self.pid is None:
+            return False
+        leaves = [pid for pid in descendants(self.pid) if not children(pid)]
+        return bool(leaves) and all(_stuck_thread(pid) is not None for pid in leaves)
 
     def mark_exited(self, returncode: int) -> None:
         self.state = WorkerState.EXITED

@@ -11,6 +11,7 @@ where they fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -232,3 +233,109 @@ async def test_a_workspace_whose_lookup_hangs_holds_only_its_own_calls(
         outcome = await pool.call("read", {"path": "x.txt"}, timeout=30.0)
         assert outcome.status is Status.ERROR, outcome
         assert outcome.error == "x.txt not found", outcome
+
+
+# -- a stop waits on nothing: no grace for what the kernel holds --------------------------------
+
+#: A grace and a kill wait so long that a stop which waited out either shows plainly: the old
+#: stop took grace_s + kill_wait_s for bash and grep, and kill_wait_s for the file tools.
+SLOW_STOP = {"grace_s": 4.0, "kill_wait_s": 4.0}
+#: How soon after the cancel or deadline the caller must be back: far under either wait above,
+#: far over the 50 ms settle a stop on a hung mount now costs (slack for a loaded machine).
+PROMPT_RELEASE_S = 1.5
+
+#: Every tool that can be held by the mount, and the call that is. The file reads and bash's cat
+#: are seen arriving at the daemon; the lookups of ``STALLED`` (ls, find) are not.
+HELD: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "read": ("read", {"path": "hung/stuck-0.txt"}, True),
+    "edit": ("edit", {"path": "hung/stuck-1.txt", "old_string": "a", "new_string": "b"}, True),
+    "grep": ("grep", {"pattern": "needle", "path": "hung"}, True),
+    "bash": ("bash", {"command": "cat hung/stuck-2.txt"}, True),
+    # wc takes its SIGTERM; then only cat, in the kernel, is left for the grace to wait on.
+    "bash pipeline": ("bash", {"command": "cat hung/stuck-3.txt | wc -c"}, True),
+    "ls": ("ls", {"path": f"hung/{STALLED}"}, False),
+    "find": ("find", {"pattern": "*", "path": f"hung/{STALLED}"}, False),
+}
+
+
+@pytest.fixture
+async def slow_stop_pool(hung_fs: HungFs, workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
+    config = marked_config(pool={"workers": 2}, calls=SLOW_STOP)
+    async with Pool(workspace, journal=tmp_path / "j.jsonl", config=config) as p:
+        yield p
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, seen) in HELD.items() if seen])
+async def test_a_cancel_on_a_hung_mount_releases_at_once_whatever_the_tool(
+    slow_stop_pool: Pool, hung_fs: HungFs, name: str
+) -> None:
+    tool, args, _ = HELD[name]
+    seen = len(hung_fs.reads)
+    token = CancelToken()
+    call = asyncio.create_task(slow_stop_pool.call(tool, args, cancel=token))
+    await asyncio.to_thread(hung_fs.wait_reads, seen + 1)
+    if name == "bash pipeline":
+        await wait_until(lambda: _processes_named("wc"), within_s=10)
+    cancelled_at = time.monotonic()
+    token.cancel("stop")
+    outcome = await asyncio.wait_for(call, PROMPT_RELEASE_S + 10)
+    held_for = time.monotonic() - cancelled_at
+    assert outcome.status is Status.CANCELLED, outcome
+    assert outcome.quarantined, outcome  # as before: the worker is kept apart until reaped
+    assert outcome.wchan
+    assert held_for < PROMPT_RELEASE_S, f"{name}: the caller was held {held_for:.2f} s"
+    hung_fs.release()
+    await wait_until(lambda: slow_stop_pool.stuck_workers() == [], within_s=10)
+
+
+@pytest.mark.parametrize("name", list(HELD))
+async def test_a_timeout_on_a_hung_mount_releases_at_its_deadline(
+    slow_stop_pool: Pool, hung_fs: HungFs, name: str
+) -> None:
+    tool, args, _ = HELD[name]
+    timeout = 1.0
+    started = time.monotonic()
+    outcome = await asyncio.wait_for(
+        slow_stop_pool.call(tool, args, timeout=timeout), timeout + PROMPT_RELEASE_S + 10
+    )
+    late = time.monotonic() - started - timeout
+    assert outcome.status is Status.TIMEOUT, outcome
+    assert outcome.quarantined, outcome
+    assert late < PROMPT_RELEASE_S, f"{name}: released {late:.2f} s after its deadline"
+    hung_fs.release()
+    await wait_until(lambda: slow_stop_pool.stuck_workers() == [], within_s=10)
+
+
+async def test_a_command_that_takes_its_sigterm_still_gets_its_grace(
+    slow_stop_pool: Pool, hung_fs: HungFs
+) -> None:
+    # The control: a command that is not held by the kernel is warned first, and its output
+    # until the kill is kept, as before.
+    token = CancelToken()
+    command = "trap 'echo cleaned; exit 3' TERM; echo started; while :; do sleep 0.05; done"
+    chunks: list[str] = []
+    first = asyncio.Event()
+
+    def on_output(chunk: Any) -> None:
+        chunks.append(chunk.data)
+        first.set()
+
+    call = asyncio.create_task(
+        slow_stop_pool.call("bash", {"command": command}, cancel=token, on_output=on_output)
+    )
+    await asyncio.wait_for(first.wait(), 30)
+    token.cancel()
+    outcome = await asyncio.wait_for(call, 30)
+    assert outcome.status is Status.CANCELLED
+    assert not outcome.quarantined
+    assert outcome.value is not None, (outcome, outcome.duration_s)
+    assert "cleaned" in outcome.value["stdout"], outcome.value
+
+
+def _processes_named(comm: str) -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (entry / "comm").read_text().strip() == comm:
+                    return True
+    return False
