@@ -1,7 +1,7 @@
-"""The journal under faults: a full disk, a journal removed under the pool, a coordinator
-stopped or killed mid-batch. Each fault is real (a small tmpfs filled to ENOSPC, unlink(2),
-SIGTERM and SIGKILL of a ``sandbx-pool run`` process); the checks are on what ran and what
-the journal says afterwards."""
+"""The journal under faults: a full disk, a journal removed or replaced under the pool, a
+coordinator stopped or killed mid-batch. Each fault is real (a small tmpfs filled to ENOSPC,
+unlink(2) and rename(2) over it, SIGTERM and SIGKILL of a ``sandbx-pool run`` process); the
+checks are on what ran and what the journal says afterwards."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -145,41 +146,214 @@ async def test_a_full_disk_refuses_side_effects_and_recovers_once_freed(
     assert written <= ran
 
 
-async def test_a_journal_removed_under_the_pool_is_recreated_with_the_calls_in_flight(
+# -- a journal removed or replaced under the pool --------------------------------------------
+
+#: Calls of each round around a removal: a write, a read and a bash each.
+ROUND = 3
+
+
+async def a_round(pool: Pool, tag: str) -> list[str]:
+    """Side effects and read-only calls, each ok; their call ids."""
+    ids = []
+    for i in range(ROUND):
+        for tool, args in [
+            ("write", {"path": f"{tag}-{i}.txt", "content": tag}),
+            ("read", {"path": f"{tag}-{i}.txt"}),
+            ("bash", {"command": f"echo {tag}-{i}"}),
+        ]:
+            outcome = await pool.call(tool, args)
+            assert outcome.ok, outcome.error
+            ids.append(outcome.call_id)
+    return ids
+
+
+def assert_whole(journal: Path, ran: list[str], refused: tuple[str, ...] = ()) -> None:
+    """The journal at ``journal`` holds exactly these calls, each intent once and before its
+    one outcome, nothing else: no call that ran is missing for the reader nor for ``run
+    --resume``, which runs again only those the journal refused."""
+    call_ids = [*ran, *refused]
+    journaled = records(journal)
+    assert not journal.is_symlink()
+    intents = [r.call_id for r in journaled if isinstance(r, IntentRecord)]
+    outcomes = [r.call_id for r in journaled if isinstance(r, OutcomeRecord)]
+    assert sorted(intents) == sorted(call_ids), "a call's intent is missing, or repeated"
+    assert sorted(outcomes) == sorted(call_ids), "a call's outcome is missing, or repeated"
+    order = [(type(r).__name__, r.call_id) for r in journaled]
+    for call_id in call_ids:
+        assert order.index(("IntentRecord", call_id)) < order.index(("OutcomeRecord", call_id))
+    assert in_doubt(read_journal(journal)) == []
+    assert resume_plan(journal).finished == set(ran), "resume would repeat a call"
+    temps = [n for n in os.listdir(journal.parent) if n.startswith(f".{journal.name}.sbx-keep")]
+    assert temps == [], "a temp copy was left behind"
+
+
+async def test_a_journal_removed_under_the_pool_is_put_back_whole(
     workspace: Path, tmp_path: Path
 ) -> None:
     journal = tmp_path / "journal.jsonl"
     async with Pool(workspace, journal=journal, config=marked_config()) as pool:
-        assert (await pool.call("write", {"path": "a.txt", "content": "a"})).ok
+        ids = await a_round(pool, "before")
         # A call in flight while the file goes: its outcome must still follow its intent.
-        (workspace / "go").unlink(missing_ok=True)
         slow = asyncio.ensure_future(
             pool.call("bash", {"command": "while [ ! -e go ]; do sleep 0.01; done"})
         )
         await wait_for(lambda: len(pool.running()) == 1, what="the slow call running")
         os.unlink(journal)
         os.unlink(f"{journal}.lock")  # the lock file too: a second coordinator must not get in
-        b = await pool.call("write", {"path": "b.txt", "content": "b"})
-        assert b.ok, b.error
-        assert journal.exists(), "the journal was not re-created"
+        ids += await a_round(pool, "after")
+        assert pool.journal is not None
+        await pool.journal.flush()
+        # Already back while the pool runs, with what came before.
+        assert set(ids) <= {r.call_id for r in records(journal) if isinstance(r, OutcomeRecord)}
         with pytest.raises(JournalLocked):
             await Journal.open(journal, pool.config.journal)
         (workspace / "go").touch()
         assert (await slow).ok
-        assert pool.journal is not None
-        await pool.journal.flush()  # the slow call's outcome is in the file that moves
-        os.rename(journal, tmp_path / "moved.jsonl")  # replaced: moved away, then a new file
-        journal.write_text("")
-        c = await pool.call("write", {"path": "c.txt", "content": "c"})
-        assert c.ok, c.error
-    new = records(journal)
-    assert [r.call_id for r in new if isinstance(r, IntentRecord)] == [c.call_id]
-    moved = records(tmp_path / "moved.jsonl")
-    kinds = [(type(r).__name__, r.call_id) for r in moved]
-    slow_id = next(cid for kind, cid in kinds if kind == "OutcomeRecord" and cid != b.call_id)
-    assert kinds.index(("IntentRecord", slow_id)) < kinds.index(("OutcomeRecord", slow_id))
-    assert ("IntentRecord", b.call_id) in kinds
-    assert in_doubt(read_journal(tmp_path / "moved.jsonl")) == []
+        ids.append(slow.result().call_id)
+        ids += await a_round(pool, "last")
+    assert_whole(journal, ids)
+    assert sorted(os.listdir(tmp_path)) == ["journal.jsonl", "journal.jsonl.lock", "ws"]
+
+
+def foreign_journal(path: Path) -> bytes:
+    """Another run's journal: records of calls that are not ours."""
+    path.write_bytes(
+        b"".join(
+            encoder.encode(r) + b"\n"
+            for r in [_intent("theirs", "bash"), _outcome("theirs", "bash", "ok", started=True)]
+        )
+    )
+    return path.read_bytes()
+
+
+def garbage(path: Path) -> bytes:
+    path.write_bytes(b"\x00not a journal, no newline \xff")
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("content", [foreign_journal, garbage])
+@pytest.mark.parametrize("how", ["renamed over it", "written after an unlink"])
+async def test_a_journal_replaced_under_the_pool_is_put_back_whole_and_the_other_file_kept(
+    workspace: Path, tmp_path: Path, how: str, content: Callable[[Path], bytes]
+) -> None:
+    journal = tmp_path / "journal.jsonl"
+    async with Pool(workspace, journal=journal, config=marked_config()) as pool:
+        ids = await a_round(pool, "before")
+        if how == "renamed over it":
+            theirs = content(tmp_path / "other.jsonl")
+            os.rename(tmp_path / "other.jsonl", journal)
+        else:
+            os.unlink(journal)
+            theirs = content(journal)
+        ids += await a_round(pool, "after")
+    assert_whole(journal, ids)  # their records are not merged into ours
+    kept = [name for name in os.listdir(tmp_path) if name.startswith("journal.jsonl.replaced-")]
+    assert len(kept) == 1, os.listdir(tmp_path)
+    assert (tmp_path / kept[0]).read_bytes() == theirs, "what replaced the journal was changed"
+
+
+@pytest.mark.parametrize("what", ["symlink", "directory"])
+async def test_a_journal_replaced_by_a_symlink_or_a_directory_is_put_back_without_following(
+    workspace: Path, tmp_path: Path, what: str
+) -> None:
+    journal = tmp_path / "journal.jsonl"
+    victim = tmp_path / "victim"
+    victim.write_text("not yours\n")
+    async with Pool(workspace, journal=journal, config=marked_config()) as pool:
+        ids = await a_round(pool, "before")
+        os.unlink(journal)
+        if what == "symlink":
+            journal.symlink_to(victim)
+        else:
+            journal.mkdir()
+            (journal / "inside").write_text("kept")
+        ids += await a_round(pool, "after")
+    assert_whole(journal, ids)
+    assert victim.read_text() == "not yours\n"
+    [kept] = [tmp_path / n for n in os.listdir(tmp_path) if n.startswith("journal.jsonl.repl")]
+    if what == "symlink":
+        assert os.readlink(kept) == str(victim)
+    else:
+        assert (kept / "inside").read_text() == "kept"
+
+
+@pytest.mark.parametrize("how", ["removed", "moved"])
+async def test_a_journal_whose_directory_went_refuses_side_effects(
+    workspace: Path, tmp_path: Path, how: str
+) -> None:
+    directory = tmp_path / "logs"
+    journal = directory / "journal.jsonl"
+    async with Pool(workspace, journal=journal, config=marked_config()) as pool:
+        ids = await a_round(pool, "before")
+        if how == "removed":
+            shutil.rmtree(directory)
+        else:
+            directory.rename(tmp_path / "moved")
+        refused = await pool.call("write", {"path": "refused.txt", "content": "x"})
+        assert (refused.status, refused.started) == (Status.ERROR, False)
+        assert refused.error is not None
+        assert "directory was removed or moved" in refused.error
+        assert not (workspace / "refused.txt").exists()
+        read = await pool.call("read", {"path": "hello.txt"})  # read-only calls still run
+        assert read.ok
+        ids.append(read.call_id)
+        assert not directory.exists(), "the journal's directory was made again"
+        if how == "moved":
+            # Back where it was: the same file is at the path again, and the journal goes on.
+            (tmp_path / "moved").rename(directory)
+            ids += await a_round(pool, "after")
+    if how == "moved":
+        assert_whole(journal, ids, refused=(refused.call_id,))
+
+
+async def test_a_lock_file_replaced_by_a_symlink_is_not_followed(
+    workspace: Path, tmp_path: Path
+) -> None:
+    journal = tmp_path / "journal.jsonl"
+    victim = tmp_path / "victim"
+    victim.write_text("not yours\n")
+    async with Pool(workspace, journal=journal, config=marked_config()) as pool:
+        ids = await a_round(pool, "before")
+        os.unlink(journal)
+        os.unlink(f"{journal}.lock")
+        os.symlink(victim, f"{journal}.lock")
+        refused = await pool.call("write", {"path": "refused.txt", "content": "x"})
+        assert (refused.status, refused.started) == (Status.ERROR, False)
+        assert refused.error is not None
+        assert "ELOOP" in refused.error
+        assert victim.read_text() == "not yours\n", "the lock was taken through a symlink"
+        os.unlink(f"{journal}.lock")
+        ids += await a_round(pool, "after")
+        with pytest.raises(JournalLocked):
+            await Journal.open(journal, pool.config.journal)
+    assert_whole(journal, ids, refused=(refused.call_id,))
+
+
+async def test_a_journal_taken_by_another_coordinator_meanwhile_is_left_to_it(
+    workspace: Path, tmp_path: Path
+) -> None:
+    journal = tmp_path / "journal.jsonl"
+    async with Pool(workspace, journal=journal, config=marked_config()) as pool:
+        ids = await a_round(pool, "before")
+        os.unlink(journal)
+        os.unlink(f"{journal}.lock")
+        other = await Journal.open(journal, pool.config.journal)  # gets in before us
+        try:
+            await other.intent(call_id="theirs", tool="bash", args={}, cwd=".", timeout_s=None)
+            refused = await pool.call("write", {"path": "refused.txt", "content": "x"})
+            assert (refused.status, refused.started) == (Status.ERROR, False)
+            assert refused.error is not None
+            assert "another coordinator" in refused.error
+            assert not (workspace / "refused.txt").exists()
+            assert [r.call_id for r in records(journal)] == ["theirs"], "their journal touched"
+            theirs = journal.read_bytes()
+        finally:
+            await other.close()
+        # Gone, and its lock with it: ours goes back to the path, theirs aside.
+        ids += await a_round(pool, "after")
+    assert_whole(journal, ids, refused=(refused.call_id,))
+    [kept] = [tmp_path / n for n in os.listdir(tmp_path) if n.startswith("journal.jsonl.repl")]
+    assert kept.read_bytes() == theirs
 
 
 # -- stop or crash mid-batch, then resume ----------------------------------------------------

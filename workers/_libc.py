@@ -1,10 +1,10 @@
 """The system calls Python's ``os`` lacks, through ctypes: one libc handle, one way to fail.
 
-prctl, unshare, setns, mount, fallocate, fstatfs and raw syscall(2), with the constants their
-callers name. Each wrapper raises ``OSError`` with the errno and the call's name, except the
-``try_`` forms, which return the errno (0 on success) for callers that treat a refusal as an
-answer ("not permitted here"), and ``filesystem_type``, which answers 0, not an error. A leaf
-module: it imports nothing of sandbx-pool.
+prctl, unshare, setns, mount, fallocate, fstatfs, renameat2 and raw syscall(2), with the
+constants their callers name. Each wrapper raises ``OSError`` with the errno and the call's
+name, except the ``try_`` forms, which return the errno (0 on success) for callers that treat a
+refusal as an answer ("not permitted here"), and ``filesystem_type``, which answers 0, not an
+error. A leaf module: it imports nothing of sandbx-pool.
 
 ``bare_fork`` keeps a handle of its own: it needs ``ctypes.PyDLL`` (the GIL held across fork),
 which no other call here wants.
@@ -75,6 +75,19 @@ def try_fallocate(fd: int, mode: int, offset: int, length: int) -> int:
     if function(fd, mode, offset, length) != 0:
         return ctypes.get_errno()
     return 0
+
+
+#: renameat2(2) flags: fail with EEXIST rather than replace the target; swap the two names
+#: atomically (both must exist; any types, a directory included).
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+def renameat2(dir_fd: int, old: str, new: str, flags: int) -> None:
+    """renameat2(2) within one directory (os.rename has no flags). Neither name is followed if
+    it is a symlink: the names themselves move. EINVAL where the filesystem lacks ``flags``."""
+    if _libc.renameat2(dir_fd, os.fsencode(old), dir_fd, os.fsencode(new), flags) != 0:
+        raise _failed(f"renameat2 {old} {new}")
 
 
 def filesystem_type(fd: int) -> int:

@@ -14,10 +14,11 @@ intent of a write, edit or bash still returns only once the group commit that ho
 flushing to the OS. Whatever the policy, ``intent()`` never blocks the event loop: it awaits a
 future the writer thread resolves.
 
-When the disk fails (ENOSPC, EIO, EDQUOT) or the file is removed under the pool, ``intent()``
-raises ``JournalWriteError`` for the records that could not be made durable, and the pool
-refuses those calls if they have side effects. Nothing is failed for good: the next record is
-tried afresh, so the journal recovers as soon as the disk does.
+When the disk fails (ENOSPC, EIO, EDQUOT), or a journal removed or replaced under the pool
+cannot be put back whole at its path (its directory gone, its lock taken by another
+coordinator), ``intent()`` raises ``JournalWriteError`` for the records that could not be made
+durable, and the pool refuses those calls if they have side effects. Nothing is failed for
+good: the next record is tried afresh, so the journal recovers as soon as the disk does.
 
 One coordinator writes a journal at a time. It holds an exclusive ``flock`` on ``PATH.lock``,
 which the kernel releases when the holder dies however it dies, so a crash never leaves a stale
@@ -32,7 +33,7 @@ import enum
 import fcntl
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from sandbx_pool.config import JournalPolicy, JournalSettings
 from sandbx_pool.errors import JournalError, JournalLocked
@@ -69,6 +70,7 @@ class Journal:
         *,
         fd: int,
         lock_fd: int,
+        dir_fd: int,
         in_doubt: list[IntentRecord],
     ) -> None:
         self.path = path
@@ -77,7 +79,7 @@ class Journal:
         self._in_doubt = in_doubt
         self._open_calls: set[str] = set()
         self._closing: asyncio.Future[None] | None = None
-        self._writer = JournalWriter(path, settings, fd=fd, lock_fd=lock_fd)
+        self._writer = JournalWriter(path, settings, fd=fd, lock_fd=lock_fd, dir_fd=dir_fd)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -97,14 +99,21 @@ class Journal:
         loop = asyncio.get_running_loop()
         opening = loop.run_in_executor(None, _open_locked, os.fspath(path))
         try:
-            name, fd, lock_fd, scan = await asyncio.shield(opening)
+            opened = await asyncio.shield(opening)
         except asyncio.CancelledError:
             # The thread carries on; whatever it opens must still be released.
             opening.add_done_callback(_release_abandoned)
             raise
-        pending = journal_reader.in_doubt(scan, include_reported=False)
-        journal = cls(name, settings, fd=fd, lock_fd=lock_fd, in_doubt=pending)
-        journal._log_opened(scan)
+        pending = journal_reader.in_doubt(opened.scan, include_reported=False)
+        journal = cls(
+            opened.path,
+            settings,
+            fd=opened.fd,
+            lock_fd=opened.lock_fd,
+            dir_fd=opened.dir_fd,
+            in_doubt=pending,
+        )
+        journal._log_opened(opened.scan)
         if pending:
             try:
                 for record in pending:
@@ -270,15 +279,32 @@ def _in_doubt_maker(record: IntentRecord) -> RecordMaker:
     return lambda: InDoubtRecord(call_id=record.call_id, time=stamp, tool=record.tool)
 
 
-def _open_locked(given: str) -> tuple[str, int, int, JournalScan]:
+class _Opened(NamedTuple):
+    path: str
+    fd: int
+    lock_fd: int
+    dir_fd: int  # the journal's directory: where a journal removed under the pool goes back
+    scan: JournalScan
+
+    def close(self) -> None:
+        for fd in (self.fd, self.lock_fd, self.dir_fd):
+            os.close(fd)
+
+
+def _open_locked(given: str) -> _Opened:
     """Take the lock, open the journal for appending and recover it. Runs on a thread."""
     path = os.path.abspath(given)
     directory = os.path.dirname(path)
     lock_path = path + ".lock"
     try:
         os.makedirs(directory, exist_ok=True)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise JournalError(f"cannot open journal {path}: {exc}") from exc
+    try:
         lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
+        os.close(dir_fd)
         raise JournalError(f"cannot open journal {path}: {exc}") from exc
     try:
         try:
@@ -298,26 +324,21 @@ def _open_locked(given: str) -> tuple[str, int, int, JournalScan]:
             if created:
                 # The new file's directory entry must be durable too, or a crash could lose
                 # the whole journal along with the intents fsynced into it.
-                dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
+                os.fsync(dir_fd)
             scan = journal_reader.recover(fd, path)
         except BaseException:
             os.close(fd)
             raise
     except BaseException as exc:
         os.close(lock_fd)
+        os.close(dir_fd)
         if isinstance(exc, OSError):
             raise JournalError(f"cannot open journal {path}: {exc}") from exc
         raise
-    return path, fd, lock_fd, scan
+    return _Opened(path, fd, lock_fd, dir_fd, scan)
 
 
-def _release_abandoned(opening: asyncio.Future[tuple[str, int, int, JournalScan]]) -> None:
+def _release_abandoned(opening: asyncio.Future[_Opened]) -> None:
     if opening.cancelled() or opening.exception() is not None:
         return
-    _, fd, lock_fd, _ = opening.result()
-    os.close(fd)
-    os.close(lock_fd)
+    opening.result().close()

@@ -33,12 +33,15 @@ without being reopened, and no outcome is lost to the outage. Room for the next 
 records is kept allocated past the file's end (RESERVE_BYTES), so the outage starts only once
 that is used up: one call that fills the disk does not stop the batch's side effects with it.
 
-Before each batch the writer also checks that the path still names the file it holds open
-(device, inode, link count) and that nobody cut the file shorter. A journal removed or replaced
-under the pool is re-created at its path (so is its lock file, re-locked); the new file starts
-with the intent and started records of the calls still in flight, so each outcome written to it
-follows its call's intent. If the lock cannot be taken again (another coordinator holds it now),
-batches fail, as on a full disk.
+Before each batch that holds a side effect's intent or a flush, and at least every
+CHECK_INTERVAL_S otherwise, the writer also checks that the path still names the file it holds
+open (device, inode, link count) and that nobody cut the file shorter. A journal removed or replaced
+under the pool is put back whole (``restore``): the file the writer still holds is copied
+beside the path and renamed onto it in one step, so the path never holds a shorter history
+than ours, and whatever had replaced it is moved aside, never read, followed or merged. Its
+lock file is checked (re-created and re-locked if it went) first. Where that cannot be done
+safely (the directory gone or moved, the lock held by another coordinator, a filesystem
+without renameat2's flags), batches fail, as on a full disk, and are tried afresh.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import errno
 import fcntl
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +63,7 @@ import msgspec
 
 from sandbx_pool.config import JournalPolicy, JournalSettings
 from sandbx_pool.errors import JournalError
+from sandbx_pool.journal import restore
 from sandbx_pool.journal.records import (
     IntentRecord,
     JournalRecord,
@@ -86,8 +91,9 @@ MAX_UNWRITTEN_BYTES: Final = 64 * 1024 * 1024
 RESERVE_BYTES: Final = 8 * 1024 * 1024
 
 #: Longest a batch nobody waits on goes without checking that the journal is still at its path
-#: (records that could land in a removed file meanwhile are those of read-only calls and
-#: outcomes; intents of side effects are always checked before they are written).
+#: (records written meanwhile to a file removed from it, those of read-only calls and outcomes,
+#: are copied back with the rest; intents of side effects are always checked before they are
+#: written).
 CHECK_INTERVAL_S: Final = 0.1
 
 #: How long the exit hook waits for the writer of a journal nobody closed. Long enough for a
@@ -128,20 +134,26 @@ class JournalWriter:
     after the last record is on disk.
     """
 
-    def __init__(self, path: str, settings: JournalSettings, *, fd: int, lock_fd: int) -> None:
+    def __init__(
+        self, path: str, settings: JournalSettings, *, fd: int, lock_fd: int, dir_fd: int
+    ) -> None:
         self.path = path
+        self._name = os.path.basename(path)
         self._delay = settings.group_commit_ms / 1000.0
         self._fsync = settings.policy is not JournalPolicy.OFF
         self._fd = fd
         self._lock_fd = lock_fd
+        # The directory the journal was opened in: where it is put back if removed, through
+        # this descriptor, so that no name on the way there is resolved again.
+        self._dir_fd = dir_fd
         # Bytes of the file known to be whole records: where a failed write is cut back to,
         # and what a shorter file (truncated under us) is measured against.
         self._size = os.fstat(fd).st_size
         # Where the blocks fallocate() keeps for us past the end stop (0: none kept).
         self._reserved_to = 0
         self._checked_at = time.monotonic()
-        # The intent and started lines of calls without an outcome yet: what a re-created
-        # journal starts with. Only this thread touches it.
+        # The intent and started lines of calls without an outcome yet: written again after a
+        # cut, so that each outcome follows its call's intent. Only this thread touches it.
         self._open_lines: dict[str, list[bytes]] = {}
         self._unwritten = bytearray()  # records a failed write left, for the next batch
         #: The latest batch's failure; None again once a batch succeeds.
@@ -208,8 +220,8 @@ class JournalWriter:
                 entries = self._take(deadline)
                 error: JournalWriteError | None = None
                 try:
-                    # Before encoding: a re-created journal starts with the calls in flight
-                    # *before* this batch, whose records then follow.
+                    # Before encoding: after a cut, the calls in flight *before* this batch are
+                    # written again, then this batch's records.
                     if self._check_due(entries):
                         self._check_file()
                 except JournalWriteError as exc:
@@ -381,7 +393,7 @@ class JournalWriter:
         except OSError as exc:
             raise self._error("stat", exc) from exc
         if named is None or held.st_nlink == 0 or not _same_file(named, held):
-            self._recreate("removed" if named is None else "replaced")
+            self._put_back("removed" if named is None else "replaced", held)
             return
         self._check_lock()
         if held.st_size > self._size:
@@ -394,10 +406,10 @@ class JournalWriter:
             self._resume_at(held.st_size, "was truncated")
 
     def _check_lock(self) -> None:
-        lock_path = self.path + ".lock"
+        lock_name = self._name + ".lock"
         try:
             held = os.fstat(self._lock_fd)
-            named = os.stat(lock_path)
+            named = os.stat(self.path + ".lock")
             if held.st_nlink and _same_file(named, held):
                 return
         except FileNotFoundError:
@@ -405,8 +417,10 @@ class JournalWriter:
         except OSError as exc:
             raise self._error("stat", exc) from exc
         # Without its lock file, a second coordinator could take the journal: take it again.
+        # Not through a symlink: the lock is truncated once taken.
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(lock_name, flags, 0o600, dir_fd=self._dir_fd)
         except OSError as exc:
             raise self._error("re-create lock", exc) from exc
         try:
@@ -418,59 +432,72 @@ class JournalWriter:
                 f" holds the new one: {_describe(exc)}",
                 exc.errno,
             ) from exc
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise self._error("re-create lock", exc) from exc
         os.close(self._lock_fd)
         self._lock_fd = fd
         logger.warning("journal {}: its lock file was removed; re-created and locked", self.path)
 
-    def _recreate(self, how: str) -> None:
+    def _put_back(self, how: str, held: os.stat_result) -> None:
+        """The journal was removed or replaced: put our whole history back at the path (see
+        ``restore``), then write on in that copy."""
         directory = os.path.dirname(self.path)
         try:
-            # Before the lock: it lives in the same directory, which may have gone too.
-            os.makedirs(directory, exist_ok=True)
+            in_place = restore.directory_in_place(self._dir_fd, directory)
         except OSError as exc:
-            raise self._error(f"re-create (it was {how})", exc) from exc
-        self._check_lock()
+            raise self._error("stat directory", exc) from exc
+        if not in_place:
+            raise JournalWriteError(
+                f"journal {self.path}: its directory was removed or moved under the pool;"
+                " not put back",
+                errno.ENOENT,
+            )
+        self._check_lock()  # before the path changes: no second coordinator may get in
+        # Only whole records: not the tail of a torn write nobody cut yet.
+        size = min(held.st_size, self._size)
+        mode = stat.S_IMODE(held.st_mode)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            fd, aside = restore.put_back(self._dir_fd, self._name, self._fd, size, mode)
         except OSError as exc:
-            raise self._error(f"re-create (it was {how})", exc) from exc
+            raise self._error(f"put back (it was {how})", exc) from exc
+        # The blocks kept past the end of the file we leave: it may live on where it was moved.
+        self._release_reserve()
         old, self._fd = self._fd, fd
         with contextlib.suppress(OSError):
             os.close(old)
-        self._reserved_to = 0  # the new file's is made after the next batch
-        logger.error(
-            "journal {} was {} under the pool: re-created it, starting with the {} call(s) in"
-            " flight",
+        self._reserved_to = 0  # the copy's is made after the next batch
+        # The renames must be durable too, or a crash could bring back what had replaced it.
+        self._sync("fsync directory", os.fsync, self._dir_fd)
+        logger.warning(
+            "journal {} was {} under the pool: put back at its path, whole ({} bytes, copied"
+            " from the file the pool held){}",
             self.path,
-            how,
-            len(self._open_lines),
+            how if aside is None else "replaced",  # a dangling symlink reads as removed
+            size,
+            "" if aside is None else f"; what had replaced it is kept as {directory}/{aside}",
         )
-        self._resume_at(os.fstat(fd).st_size, "")
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            self._sync("fsync directory", os.fsync, dir_fd)
-        finally:
-            os.close(dir_fd)
+        if size < self._size:  # cut shorter before it went
+            self._resume_at(size, "was truncated")
 
     def _resume_at(self, size: int, note: str) -> None:
-        """Carry on at the end of a file that is not the one we wrote: end its last line, then
+        """Carry on at the end of a file cut shorter than we wrote it: end its last line, then
         repeat the records of the calls in flight, so that their outcomes follow an intent."""
-        if note:
-            logger.error(
-                "journal {} {} under the pool ({} bytes, expected {})",
-                self.path,
-                note,
-                size,
-                self._size,
-            )
+        logger.error(
+            "journal {} {} under the pool ({} bytes, expected {})",
+            self.path,
+            note,
+            size,
+            self._size,
+        )
         self._size = size
         prefix = b""
         if size and os.pread(self._fd, 1, size - 1) != b"\n":
             prefix = b"\n"
-        if note or self._open_lines or prefix:
-            self._append(prefix + b"".join(b"".join(lines) for lines in self._open_lines.values()))
+        self._append(prefix + b"".join(b"".join(lines) for lines in self._open_lines.values()))
 
     def _error(self, what: str, exc: OSError) -> JournalWriteError:
         return JournalWriteError(f"journal {self.path}: {what} failed: {_describe(exc)}", exc.errno)
@@ -519,7 +546,8 @@ class JournalWriter:
                 except queue.Empty:
                     break
         self._release_reserve()
-        for fd in (self._fd, self._lock_fd):  # the journal first, then the lock that guards it
+        # The journal first, then the lock that guards it.
+        for fd in (self._fd, self._lock_fd, self._dir_fd):
             try:
                 os.close(fd)
             except OSError as exc:
