@@ -5,6 +5,9 @@ On a terminal the progress is one line redrawn in place (``\\r`` and erase-to-en
 of fragments, so plain lines are printed instead: when ``PLAIN_EVERY_S`` have passed or another
 tenth of the calls has finished since the last one, never closer than ``PLAIN_MIN_GAP_S``.
 
+On a terminal the line's text is shown with its control characters escaped (a call id is the
+user's or a model's text: ``sandbx_pool.terminal``); its own ``\\r`` and erase-to-end are not.
+
 The decisions (``due``) are synchronous and take the time as an argument, so they are tested
 without a clock; ``run`` is the small loop that asks them periodically.
 """
@@ -24,6 +27,7 @@ from sandbx_pool.batch.run import BatchReport
 from sandbx_pool.journal.reader import percentile
 from sandbx_pool.outcome import Outcome
 from sandbx_pool.tables import status_order, text_table
+from sandbx_pool.terminal import escape_controls, unguarded
 
 #: A redraw costs a write to the terminal; ten a second looks live and costs nothing.
 TTY_REFRESH_S: Final = 0.1
@@ -97,7 +101,8 @@ class Progress:
         if self.tty:
             # A line longer than the terminal wraps, and \r then redraws only its last row.
             width = self.width or shutil.get_terminal_size().columns - 1
-            self.stream.write(f"\r{text[:width]}\x1b[K")
+            text = escape_controls(text)
+            unguarded(self.stream).write(f"\r{text[:width]}\x1b[K")
             self._drawn = True
         else:
             self.stream.write(text + "\n")
