@@ -19,8 +19,10 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Final
 
+from sandbx_pool.terminal import escape_controls, unguarded
+
 if TYPE_CHECKING:
-    from loguru import Logger
+    from loguru import Logger, Record
 
 __all__ = ["configure_logging", "logger"]
 
@@ -95,13 +97,23 @@ class _DeferredLogger:
             self._real.remove()
 
 
+#: The stderr sink's line; ``{extra[shown]}`` is the message as a terminal may show it.
+_FORMAT: Final = "<green>{time:HH:mm:ss.SSS}</green> <level>{level: <7}</level> {extra[shown]}\n"
+
+
 def _install_sinks(real: Logger, level: str, json_file: str | None) -> None:
     real.remove()
-    real.add(
-        sys.stderr,
-        level=level,
-        format="<green>{time:HH:mm:ss.SSS}</green> <level>{level: <7}</level> {message}",
-    )
+    # Past the command line's guard (sandbx_pool.terminal): through it, loguru's colours would
+    # be escaped too. The message is escaped here instead: it names call ids, paths, errors.
+    stream = unguarded(sys.stderr)
+    terminal = stream.isatty()
+
+    def line(record: Record) -> str:
+        message = record["message"]
+        record["extra"]["shown"] = escape_controls(message) if terminal else message
+        return _FORMAT + ("{exception}" if record["exception"] else "")
+
+    real.add(stream, level=level, format=line)
     if json_file is not None:
         real.add(json_file, level="DEBUG", serialize=True)
     real.enable("sandbx_pool")

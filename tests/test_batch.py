@@ -469,6 +469,74 @@ def test_tty_progress_redraws_one_line() -> None:
     )
 
 
+def spec_of(call_id: str, tool: str = "bash", line: int = 1) -> CallSpec:
+    return CallSpec(line=line, call_id=call_id, tool=tool, args={})
+
+
+def test_progress_names_the_calls_in_flight_and_the_longest_running() -> None:
+    now = [0.0]
+    progress = Progress(10, io.StringIO(), tty=False, clock=lambda: now[0])
+    progress.started(spec_of("0042"))
+    now[0] += 10.0
+    progress.started(spec_of("0043", "read"))
+    now[0] += 63.4
+    assert progress.line(now[0]).endswith("| 2 in flight, longest 0042 bash 73s")
+    progress.record(fake_outcome("0042", Status.TIMEOUT))  # record ends it
+    assert progress.line(now[0]).endswith("| 1 in flight, longest 0043 read 63s")
+    progress.record(fake_outcome("0043", Status.OK))
+    assert "in flight" not in progress.line(now[0])
+    progress.started(spec_of("x" * 40))
+    assert progress.line(now[0]).endswith(f"longest {'x' * 21}... bash 0s")
+
+
+def test_plain_progress_says_what_holds_a_stalled_batch_at_doubling_gaps() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress(2, out, tty=False, clock=lambda: now[0])
+    progress.started(spec_of("slow"))
+    shown_at = []
+    while now[0] < 200.0:  # the ticker's pace; nothing finishes
+        now[0] += 0.5
+        before = len(out.getvalue())
+        progress.tick()
+        if len(out.getvalue()) > before:
+            shown_at.append(now[0])
+    assert shown_at == [2.0, 6.0, 14.0, 30.0, 62.0, 122.0, 182.0]  # capped at 60 s apart
+    assert out.getvalue().splitlines()[0] == (
+        "progress: 0/2 (0%) | 0.0 calls/s, ETA -- | 1 in flight, longest slow bash 2s"
+    )
+    progress.record(fake_outcome("slow", Status.OK))  # a line, and the gaps start again
+    assert out.getvalue().splitlines()[-1].startswith("progress: 1/2 (50%) ok 1 |")
+    progress.started(spec_of("slower"))
+    now[0] += 2.0
+    progress.tick()
+    assert out.getvalue().splitlines()[-1].endswith("| 1 in flight, longest slower bash 2s")
+    progress.finish()
+    assert "in flight" not in out.getvalue().splitlines()[-1]
+
+
+def test_tty_progress_escapes_the_ids_it_shows_and_drops_the_bar_when_narrow() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress(4, out, tty=True, clock=lambda: now[0], width=200)
+    progress.started(spec_of("a\x1b]52;c;aGk=\x07\r\x9b"))
+    now[0] += 5.0
+    progress.tick()
+    frame = out.getvalue()
+    assert frame.startswith("\r[")
+    assert frame.endswith("\x1b[K")
+    assert frame[1:-3].endswith(r"longest a\x1b]52;c;aGk=\x07\x0d\x9b bash 5s")
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", frame[1:-3])
+    narrow_out = io.StringIO()
+    narrow = Progress(4, narrow_out, tty=True, clock=lambda: now[0], width=80)
+    narrow.started(spec_of("0042"))
+    now[0] += 7.0
+    narrow.tick()  # with its bar the line is 94 characters: the bar goes, the call stays
+    assert narrow_out.getvalue() == (
+        "\r0/4 (0%) | 0.0 calls/s, ETA -- | 1 in flight, longest 0042 bash 7s\x1b[K"
+    )
+
+
 def test_summary_has_statuses_tools_latency_slowest_and_journal() -> None:
     report = BatchReport(total=12, skipped=2)
     report.wall_s = 2.0
@@ -552,6 +620,24 @@ def test_sigterm_stops_the_run_and_resume_runs_each_call_once(
     if doubtful:
         assert f"skipped {len(doubtful)} call(s) in doubt" in summary
     print(f"stopped after {stopped_after:.1f} s; resumed {resumed_in:.1f} s")
+
+
+def test_a_plain_progress_line_names_the_call_that_holds_the_run(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    ws = make_workspace(tmp_path, files=1)
+    slow = [{"id": "slow-one", "tool": "bash", "args": {"command": "sleep 3"}}]
+    calls = write_lines(tmp_path / "calls.jsonl", slow)
+    config = marked_toml(tmp_path / "marked.toml")
+    argv = ["run", str(calls), "--workspace", str(ws), "--journal", str(tmp_path / "j.jsonl")]
+    proc = start_cli([*argv, "--config", str(config)], tmp_path / "r")  # stderr: a file
+    processes.append(proc)
+    assert proc.wait(DEADLINE_S) == 0, (tmp_path / "r.err").read_text()[-2000:]
+    err = (tmp_path / "r.err").read_text()
+    # Nothing finished for 3 s: a line said which call the run was waiting on, and for how long.
+    assert re.search(
+        r"^progress: 0/1 \(0%\) .*\| 1 in flight, longest slow-one bash [23]s$", err, re.M
+    ), err
 
 
 def test_a_second_sigint_exits_at_once_and_kills_the_workers(

@@ -5,6 +5,17 @@ On a terminal the progress is one line redrawn in place (``\\r`` and erase-to-en
 of fragments, so plain lines are printed instead: when ``PLAIN_EVERY_S`` have passed or another
 tenth of the calls has finished since the last one, never closer than ``PLAIN_MIN_GAP_S``.
 
+Counts and rates alone cannot say why a run stalls: while every lane waits on a long call the
+rate sinks and nothing finishes. So the line also names the calls in flight and the longest
+running one (``| 8 in flight, longest 0042 bash 73s``): ``started`` is run_batch's
+``on_submit`` (the call is handed to the pool) and ``record`` ends it. A plain log gets a line
+while nothing finishes too, so that it says which call holds the batch; at gaps that double from
+``PLAIN_EVERY_S`` up to ``PLAIN_QUIET_MAX_S``, so an hour-long call costs a CI log some 60
+lines, not 1,800.
+
+On a terminal the line's text is shown with its control characters escaped (a call id is the
+user's or a model's text: ``sandbx_pool.terminal``); its own ``\\r`` and erase-to-end are not.
+
 The decisions (``due``) are synchronous and take the time as an argument, so they are tested
 without a clock; ``run`` is the small loop that asks them periodically.
 """
@@ -24,6 +35,7 @@ from sandbx_pool.batch.run import BatchReport
 from sandbx_pool.journal.reader import percentile
 from sandbx_pool.outcome import Outcome
 from sandbx_pool.tables import status_order, text_table
+from sandbx_pool.terminal import escape_controls, unguarded
 
 #: A redraw costs a write to the terminal; ten a second looks live and costs nothing.
 TTY_REFRESH_S: Final = 0.1
@@ -32,7 +44,11 @@ PLAIN_EVERY_S: Final = 2.0
 PLAIN_STEP: Final = 0.1
 #: ...but no closer than this, so a fast small batch does not print ten lines in a second.
 PLAIN_MIN_GAP_S: Final = 0.5
+#: While nothing finishes, plain lines come at doubling gaps, up to this one.
+PLAIN_QUIET_MAX_S: Final = 60.0
 BAR_WIDTH: Final = 24
+#: Longest call id the line shows in full (ids are the batch file's, of any length).
+SHOWN_ID_CHARS: Final = 24
 
 
 def format_duration(seconds: float) -> str:
@@ -43,7 +59,7 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    """Counts outcomes as they come and draws them on ``stream``."""
+    """Counts outcomes as they come, follows the calls in flight, and draws them on ``stream``."""
 
     def __init__(
         self,
@@ -61,13 +77,22 @@ class Progress:
         self.width = width  # None: the terminal's, asked at each redraw (it may be resized)
         self.done = 0
         self.counts: dict[str, int] = {}
+        # Call id -> (spec, when it was handed to the pool), oldest first: dicts keep their
+        # insertion order, so the longest-running call is the first one, at no cost.
+        self.in_flight: dict[str, tuple[CallSpec, float]] = {}
         self.started_at = clock()
         # A terminal gets its bar at once; plain output waits for something worth a line.
         self._last_shown_at: float | None = None if self.tty else self.started_at
         self._last_shown_done = 0
+        self._quiet_gap = PLAIN_EVERY_S  # plain: the gap before the next line if none finishes
         self._drawn = False
 
+    def started(self, spec: CallSpec) -> None:
+        """``spec`` was handed to the pool: it is in flight until ``record`` gets its outcome."""
+        self.in_flight[spec.call_id] = (spec, self.clock())
+
     def record(self, outcome: Outcome) -> None:
+        self.in_flight.pop(outcome.call_id, None)
         self.done += 1
         self.counts[outcome.status] = self.counts.get(outcome.status, 0) + 1
         if not self.tty:
@@ -80,8 +105,11 @@ class Progress:
         gap = now - self._last_shown_at
         if self.tty:
             return gap >= TTY_REFRESH_S
-        if gap < PLAIN_MIN_GAP_S or self.done == self._last_shown_done:
+        if gap < PLAIN_MIN_GAP_S:
             return False
+        if self.done == self._last_shown_done:
+            # Nothing finished: a line only to say what holds the batch, at growing gaps.
+            return bool(self.in_flight) and gap >= self._quiet_gap
         step = max(1, round(self.total * PLAIN_STEP))
         return gap >= PLAIN_EVERY_S or self.done - self._last_shown_done >= step
 
@@ -91,26 +119,34 @@ class Progress:
             self.show(now)
 
     def show(self, now: float) -> None:
+        quiet = self._last_shown_at is not None and self.done == self._last_shown_done
+        self._quiet_gap = min(2 * self._quiet_gap, PLAIN_QUIET_MAX_S) if quiet else PLAIN_EVERY_S
         self._last_shown_at = now
         self._last_shown_done = self.done
-        text = self.line(now)
         if self.tty:
             # A line longer than the terminal wraps, and \r then redraws only its last row.
             width = self.width or shutil.get_terminal_size().columns - 1
-            self.stream.write(f"\r{text[:width]}\x1b[K")
+            text = escape_controls(self.line(now))
+            if len(text) > width:  # the bar goes first: the counts say as much, the rest more
+                text = escape_controls(self.line(now, bar=False))
+            unguarded(self.stream).write(f"\r{text[:width]}\x1b[K")
             self._drawn = True
         else:
-            self.stream.write(text + "\n")
+            self.stream.write(self.line(now) + "\n")
         self.stream.flush()
 
     def finish(self) -> None:
         """The final state, then leave the terminal line for what follows."""
+        # The batch has returned: nothing is in flight, though a call refused as the pool
+        # closed (a stop, a lost template) was started and never got an outcome.
+        self.in_flight.clear()
         self.show(self.clock())
         if self.tty and self._drawn:
             self.stream.write("\n")
             self.stream.flush()
 
-    def line(self, now: float) -> str:
+    def line(self, now: float, *, bar: bool = True) -> str:
+        """The progress as one line of text; on a terminal, after a bar unless ``bar=False``."""
         elapsed = max(now - self.started_at, 1e-9)
         rate = self.done / elapsed
         percent = 100.0 * self.done / self.total if self.total else 100.0
@@ -123,11 +159,22 @@ class Progress:
             eta = "ETA --"
         head = " ".join(filter(None, [f"{self.done}/{self.total} ({percent:.0f}%)", statuses]))
         tail = f"{rate:.1f} calls/s, {eta}"
-        if self.tty:
-            filled = int(BAR_WIDTH * self.done / self.total) if self.total else BAR_WIDTH
-            bar = "#" * filled + "." * (BAR_WIDTH - filled)
-            return f"[{bar}] {head} | {tail}"
-        return f"progress: {head} | {tail}"
+        if self.in_flight:
+            tail += f" | {self._in_flight_text(now)}"
+        if not self.tty:
+            return f"progress: {head} | {tail}"
+        if not bar:
+            return f"{head} | {tail}"
+        filled = int(BAR_WIDTH * self.done / self.total) if self.total else BAR_WIDTH
+        return f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {head} | {tail}"
+
+    def _in_flight_text(self, now: float) -> str:
+        spec, since = next(iter(self.in_flight.values()))
+        call_id = spec.call_id
+        if len(call_id) > SHOWN_ID_CHARS:
+            call_id = call_id[: SHOWN_ID_CHARS - 3] + "..."
+        running = max(0.0, now - since)
+        return f"{len(self.in_flight)} in flight, longest {call_id} {spec.tool} {running:.0f}s"
 
     async def run(self) -> None:
         """Redraw until cancelled: the ETA must move even while a long call runs."""

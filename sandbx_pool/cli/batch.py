@@ -212,6 +212,7 @@ def _run(
                         skip=skip,
                         in_doubt=in_doubt if args.resume and not args.rerun_started else (),
                         stop=stopper.stopping,
+                        on_submit=progress.started,
                         on_outcome=lambda _, outcome: progress.record(outcome),
                         output_dir=args.output_dir,
                     )

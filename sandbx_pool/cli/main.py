@@ -14,6 +14,7 @@ from typing import Any, Final, NoReturn
 from sandbx_pool.cli.arguments import positive_float, positive_int
 from sandbx_pool.cli.checks import workspace_problem
 from sandbx_pool.template_launch import discard_prelaunched, prelaunch
+from sandbx_pool.terminal import guarded
 
 # Nothing heavier at the top: a one-shot `call` starts its template before these load
 # (main), and each command imports what it needs.
@@ -243,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         # for the slower of the two, not their sum (sandbx_pool.template_launch).
         prelaunch(warm_up=_CALL_WARM_UP)
     try:
-        return _main(arguments)
+        # Everything the command prints to a terminal shows control characters escaped: a
+        # call's output and ids are not allowed to drive the operator's terminal (terminal).
+        with guarded():
+            return _main(arguments)
     finally:
         discard_prelaunched()  # when the command ended before a pool took it
 
