@@ -1,22 +1,22 @@
-"""One call's state, shared by its caller, its driver task and the pool's receive path."""
+"""One call's state on this machine's pool, shared by its driver task and the receive path."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
 import signal
-import time
 from typing import Any
 
+from sandbx_pool.call_life import CallLife
 from sandbx_pool.logs import logger
-from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputCallback, OutputChunk
 from sandbx_pool.worker_handle import Worker
 from sandbx_pool.workers.protocol import ExecutionContext, Limits, Output, Result
 
 
-class CallState:
-    """One call's state, shared by its caller, its driver task and the receive task."""
+class CallState(CallLife):
+    """One call on this machine's pool: its life (call_life), and what its driver task and the
+    receive path share: the worker it is given, its Result, its output callback."""
 
     def __init__(
         self,
@@ -30,37 +30,27 @@ class CallState:
         view: str | None = None,
         workspace: str | None = None,
     ) -> None:
+        super().__init__(call_id, tool, raw_args, timeout_s, cwd, workspace)
         loop = asyncio.get_running_loop()
-        self.call_id = call_id
-        self.tool = tool
-        self.raw_args = raw_args
-        self.timeout_s = timeout_s
-        self.cwd = cwd
         self.env = env
         self.limits = limits
         self.view = view
-        #: The absolute workspace this call is confined to: the pool's, unless the call named
-        #: its own (a node's pool serves every workspace on its node: integrations.ray).
-        self.workspace = workspace
-        self.started_at = time.monotonic()
         self.context: ExecutionContext | None = None
         self.worker: Worker | None = None
         self.assigned: asyncio.Future[Worker] = loop.create_future()
         self.result: asyncio.Future[Result] = loop.create_future()
-        self.kill_requested: asyncio.Future[None] = loop.create_future()
-        self.killer: KilledBy | None = None
-        self.reason: str | None = None
         # Only the worker this call is sent to learns it; its Result must carry it back.
         self.secret = secrets.token_hex(16)
         #: The caller's on_output: the worker streams only when there is one.
         self.on_output: OutputCallback | None = None
 
-    def request_kill(self, killer: KilledBy, reason: str | None = None) -> None:
-        # The first killer wins and is recorded here, before any signal is sent.
-        if self.killer is None and not self.kill_requested.done():
-            self.killer = killer
-            self.reason = reason
-            self.kill_requested.set_result(None)
+    def journaled_workspace(self) -> str | None:
+        # A view's call: cwd and paths are the view's, the view is where they are.
+        return self.view or self.workspace
+
+    def shutdown_fields(self) -> dict[str, Any]:
+        worker = self.worker
+        return {"started": worker is not None, "worker_pid": worker.pid if worker else None}
 
     def deliver_output(self, message: Output) -> None:
         """Hand a chunk of output to the caller's callback, now; a callback that raises
@@ -74,15 +64,6 @@ class CallState:
             self.on_output(chunk)
         except Exception:
             logger.exception("call {}: the on_output callback raised", self.call_id)
-
-    def outcome(self, status: Status, **fields: Any) -> Outcome:
-        return Outcome(
-            call_id=self.call_id,
-            tool=self.tool,
-            status=status,
-            duration_s=time.monotonic() - self.started_at,
-            **fields,
-        )
 
 
 def describe_exit(returncode: int) -> str:

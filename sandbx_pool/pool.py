@@ -40,7 +40,6 @@ finalizer if close() never runs (remains.py), or by the next pool if its process
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import itertools
 import math
@@ -48,13 +47,15 @@ import os
 import signal
 import time
 import weakref
+from functools import partial
 from typing import Any
 
 import msgspec
 
 from sandbx_pool import confine, descriptors
+from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
-from sandbx_pool.cancel import CancelCallback, CancelToken
+from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import Config, JournalPolicy, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
 from sandbx_pool.execution import Unsendable, encode_call, execute
@@ -62,11 +63,10 @@ from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
-from sandbx_pool.journal.records import JOURNAL_REFUSED, IntentRecord
+from sandbx_pool.journal.records import IntentRecord
 from sandbx_pool.journal.store import Journal
-from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
-from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
+from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputCallback
 from sandbx_pool.remains import Remains, release
 from sandbx_pool.runtime_dir import (
@@ -90,7 +90,7 @@ from sandbx_pool.workers.protocol import (
     Spawned,
     SpawnFailed,
 )
-from sandbx_pool.workers.schemas import RUNS_PROGRAMS, SIDE_EFFECT_TOOLS, UnknownTool, parse_args
+from sandbx_pool.workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
 
 
 class PoolState(enum.IntEnum):
@@ -382,94 +382,25 @@ class Pool:
             workspace=_normalised(workspace) if workspace is not None else self.workspace,
         )
         call.on_output = on_output
-        # Subscribing to a token that is already cancelled requests the kill at once, so the
-        # call is refused before anything is forked.
-        unsubscribe = cancel.subscribe(self._token_callback(call)) if cancel else None
-        driver = asyncio.create_task(self._drive(call), name=call.call_id)
+        unsubscribe = token_subscription(cancel, call)
+        driver = asyncio.create_task(call.drive(self.journal, partial(self._run, call)))
+        driver.set_name(call.call_id)
         self._drivers.add(driver)
         driver.add_done_callback(self._drivers.discard)
         self._calls[call.call_id] = call
         try:
-            return await asyncio.shield(driver)
-        except asyncio.CancelledError as exc:
-            reason = str(exc.args[0]) if exc.args else "the awaiting task was cancelled"
-            call.request_kill(KilledBy.TASK, reason)
-            # Cleanup runs to its end whatever happens to us; our own cancellation follows it.
-            # Under anyio a cancelled scope cancels us again at every await, so keep waiting
-            # until the driver is done (a short spin, bounded by the kill's own deadlines).
-            while not driver.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait({driver})
-            raise
+            return await attend(driver, call)
         finally:
             self._calls.pop(call.call_id, None)
             if unsubscribe is not None:
                 unsubscribe()
 
-    def _token_callback(self, call: CallState) -> CancelCallback:
-        loop = self._loop
-        assert loop is not None
-
-        def on_cancel(reason: str | None) -> None:
-            # cancel() may run on any thread; the call's state belongs to the loop's.
-            loop.call_soon_threadsafe(call.request_kill, KilledBy.TOKEN, reason)
-
-        return on_cancel
-
-    # -- one call's life ---------------------------------------------------------------------
-
-    async def _drive(self, call: CallState) -> Outcome:
-        """Journal the intent, run the call, journal its one outcome, whatever happens."""
-        refused: Outcome | None = None
-        if self.journal is not None:
-            raw = call.raw_args
-            try:
-                await self.journal.intent(
-                    call_id=call.call_id,
-                    tool=call.tool,
-                    args=raw if isinstance(raw, dict) else {"<invalid>": repr(raw)},
-                    cwd=call.cwd or ".",
-                    timeout_s=call.timeout_s,
-                    # A view's call: cwd and paths are the view's, the view is where they are.
-                    workspace=call.view or call.workspace or self.workspace,
-                )
-            except JournalWriteError as exc:
-                # Fail closed: a side effect never starts without its durable intent. A
-                # read-only call has nothing to account for, and runs.
-                if call.tool in SIDE_EFFECT_TOOLS:
-                    refused = call.outcome(
-                        Status.ERROR, error=f"not run: {exc}", reason=JOURNAL_REFUSED
-                    )
-        try:
-            outcome = refused or await self._run(call)
-        except asyncio.CancelledError:
-            # Only close() cancels a driver, when the call outlived close_timeout_s: it still
-            # ends as one outcome, and its caller gets that outcome rather than a hang.
-            outcome = call.outcome(
-                Status.CANCELLED,
-                killed_by=KilledBy.SHUTDOWN,
-                reason="pool closed before the call ended",
-                started=call.worker is not None,
-                worker_pid=call.worker.pid if call.worker is not None else None,
-            )
-        except Exception as exc:  # a coordinator bug must still end as exactly one outcome
-            logger.exception("call {} failed in the coordinator", call.call_id)
-            outcome = call.outcome(Status.CRASHED, error=f"coordinator error: {exc}")
-        if self.journal is not None:
-            self.journal.outcome(outcome)
-            if self.config.journal.policy is JournalPolicy.ALWAYS:
-                # "always" means the caller never sees an outcome that is not on disk; when the
-                # disk fails, the call reads as in doubt in the journal (the safe side).
-                try:
-                    await self.journal.flush()
-                except JournalWriteError as exc:
-                    logger.warning("call {}: outcome not durable: {}", call.call_id, exc)
-        return outcome
+    # -- one call on this machine (its life around it: call_life) -----------------------------
 
     async def _run(self, call: CallState) -> Outcome:
         # Checks that need no process, in order: nothing is forked for a refused call.
         if call.killer is not None:
-            return self._killed_before_start(call)
+            return call.killed_outcome()
         try:
             args = parse_args(call.tool, call.raw_args)
         except (UnknownTool, msgspec.ValidationError) as exc:
@@ -502,7 +433,7 @@ class Pool:
         except WorkersFailToStart as exc:
             return call.outcome(Status.ERROR, error=str(exc))
         if worker is None:
-            return self._killed_before_start(call)
+            return call.killed_outcome()
         return await self._execute(call, worker, payload)
 
     async def _execute(self, call: CallState, worker: Worker, payload: bytes) -> Outcome:
@@ -518,12 +449,6 @@ class Pool:
             raise
         finally:
             self._workers.release(worker)
-
-    def _killed_before_start(self, call: CallState) -> Outcome:
-        assert call.killer is not None
-        return call.outcome(
-            STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason
-        )
 
     # -- workers: scheduling (synchronous decisions) -------------------------------------------
 

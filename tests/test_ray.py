@@ -336,3 +336,21 @@ async def test_node_loss_ends_its_calls_crashed_and_moves_its_workspaces(
     plan = resume_plan(journal)
     assert "b" not in plan.finished
     assert plan.in_doubt == {"b": "bash"}
+
+
+async def test_under_policy_always_a_call_returns_only_once_its_outcome_is_on_disk(
+    cluster: Cluster, root: Path, tmp_path: Path
+) -> None:
+    # docs/journal.md: under "always" the caller never sees an outcome that is not on disk.
+    # RayPool shares Pool's call life (call_life), so its journal keeps that promise too.
+    journal = tmp_path / "j.jsonl"
+    config = CONFIG.override(journal={"policy": "always"})
+    async with RayPool(root, journal=journal, config=config) as pool:
+        for n in range(20):
+            tool, args = ("write", {"path": f"{n}.txt", "content": "x"}) if n % 2 else ("ls", {})
+            outcome = await pool.call(tool, args, workspace="t")
+            # Read at once, without yielding to the loop: only what is on disk counts.
+            on_disk = {
+                r.call_id for r in read_journal(journal).records if isinstance(r, OutcomeRecord)
+            }
+            assert outcome.call_id in on_disk, f"call {n} returned before its outcome was written"

@@ -39,20 +39,20 @@ import os
 import time
 import uuid
 from collections import Counter
+from functools import partial
 from typing import Any, Final
 
 import msgspec
 
+from sandbx_pool.call_life import CallLife, attend, token_subscription
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import Config, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost
-from sandbx_pool.journal.records import JOURNAL_REFUSED, NODE_LOST
+from sandbx_pool.journal.records import NODE_LOST
 from sandbx_pool.journal.store import Journal
-from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
-from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
+from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.pool import Pool, check_call_arguments
-from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
 
 #: Ray namespace of the node actors: every driver of the cluster finds the same ones.
 NAMESPACE: Final = "sandbx-pool"
@@ -249,22 +249,31 @@ class Placement:
         self.load.pop(node, None)
 
 
-class _Flight:
-    """One call on its node: who asked for its kill first (recorded before the cancel is sent)."""
+class _Flight(CallLife):
+    """One call on its node: its life (call_life), and the node's pool that runs it. A kill is
+    recorded here first, then sent to the node as a cancel of the call's ticket."""
 
-    def __init__(self, handle: Any, ticket: str) -> None:
+    def __init__(
+        self, handle: Any, ticket: str, node: str, call: tuple[Any, ...], call_id: str
+    ) -> None:
+        tool, args, path, timeout, cwd, _ = call
+        super().__init__(call_id, tool, args, timeout, cwd, path)
         self.handle = handle
         self.ticket = ticket
-        self.killer: KilledBy | None = None
-        self.reason: str | None = None
+        self.node = node
+        self.call = call
+        self.dispatched = False
         self.kill_sent = asyncio.Event()
 
-    def request_kill(self, killer: KilledBy, reason: str | None) -> None:
+    def request_kill(self, killer: KilledBy, reason: str | None = None) -> None:
         if self.killer is not None:
             return
-        self.killer, self.reason = killer, reason
+        super().request_kill(killer, reason)
         self.handle.cancel.remote(self.ticket, reason)
         self.kill_sent.set()
+
+    def shutdown_fields(self) -> dict[str, Any]:
+        return {"started": self.dispatched, "node": self.node}
 
 
 class RayPool:
@@ -380,27 +389,16 @@ class RayPool:
         if call_id in self._flights:
             raise ValueError(f"call_id {call_id!r} is already in flight")
         node = self._place(workspace)
-        flight = _Flight(self._handle(node), uuid.uuid4().hex)
-        self._flights[call_id] = flight
-        loop = asyncio.get_running_loop()
-
-        def on_token(reason: str | None) -> None:
-            loop.call_soon_threadsafe(flight.request_kill, KilledBy.TOKEN, reason)
-
-        unsubscribe = cancel.subscribe(on_token) if cancel is not None else None
         call = (tool, args, path, timeout, cwd, env)
-        driver = asyncio.create_task(self._drive(call_id, node, flight, call), name=call_id)
+        flight = _Flight(self._handle(node), uuid.uuid4().hex, node, call, call_id)
+        self._flights[call_id] = flight
+        unsubscribe = token_subscription(cancel, flight)
+        driver = asyncio.create_task(flight.drive(self.journal, partial(self._run, flight)))
+        driver.set_name(call_id)
         self._drivers.add(driver)
         driver.add_done_callback(self._drivers.discard)
         try:
-            return await asyncio.shield(driver)
-        except asyncio.CancelledError as exc:
-            reason = str(exc.args[0]) if exc.args else "the awaiting task was cancelled"
-            flight.request_kill(KilledBy.TASK, reason)
-            while not driver.done():  # bounded by CANCEL_ANSWER_S
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait({driver})
-            raise
+            return await attend(driver, flight)  # bounded by CANCEL_ANSWER_S
         finally:
             self._flights.pop(call_id, None)
             if unsubscribe is not None:
@@ -425,60 +423,20 @@ class RayPool:
 
     # -- one call's life ---------------------------------------------------------------------
 
-    async def _drive(
-        self, call_id: str, node: str, flight: _Flight, call: tuple[Any, ...]
-    ) -> Outcome:
-        tool, args, path, timeout, cwd, _ = call
-        started = time.monotonic()
-        outcome: Outcome | None = None
-        if self.journal is not None:
-            try:
-                await self.journal.intent(
-                    call_id=call_id,
-                    tool=tool,
-                    args=args if isinstance(args, dict) else {"<invalid>": repr(args)},
-                    cwd=cwd or ".",
-                    timeout_s=timeout,
-                    workspace=path,
-                )
-            except JournalWriteError as exc:
-                if tool in SIDE_EFFECT_TOOLS:  # fail closed, as Pool does
-                    outcome = Outcome(
-                        call_id=call_id,
-                        tool=tool,
-                        status=Status.ERROR,
-                        error=f"not run: {exc}",
-                        reason=JOURNAL_REFUSED,
-                    )
-        if outcome is None and flight.killer is not None:
-            outcome = Outcome(
-                call_id=call_id,
-                tool=tool,
-                status=STATUS_OF_KILLER[flight.killer],
-                killed_by=flight.killer,
-                reason=flight.reason,
-            )
-        if outcome is None:
-            try:
-                outcome = await self._run(call_id, node, flight, call)
-            except Exception as exc:  # a driver bug must still end as exactly one outcome
-                logger.exception("call {} failed in the driver", call_id)
-                outcome = Outcome(
-                    call_id=call_id, tool=tool, status=Status.CRASHED, error=f"driver error: {exc}"
-                )
-            outcome = msgspec.structs.replace(outcome, duration_s=time.monotonic() - started)
-        if self.journal is not None:
-            self.journal.outcome(outcome)
-        return outcome
+    async def _run(self, flight: _Flight) -> Outcome:
+        """The call on its node: the node's Pool gates, runs and kills it; the outcome's
+        duration is the caller's, from its intent here."""
+        outcome = await self._on_node(flight)
+        return msgspec.structs.replace(outcome, duration_s=time.monotonic() - flight.started_at)
 
-    async def _run(
-        self, call_id: str, node: str, flight: _Flight, call: tuple[Any, ...]
-    ) -> Outcome:
+    async def _on_node(self, flight: _Flight) -> Outcome:
         ray = _ray()
-        tool, args, path, timeout, cwd, env = call
+        call_id, node = flight.call_id, flight.node
+        tool, args, path, timeout, cwd, env = flight.call
         ref = flight.handle.call.remote(
             tool, args, workspace=path, timeout=timeout, cwd=cwd, env=env, ticket=flight.ticket
         )
+        flight.dispatched = True
         answer = asyncio.ensure_future(_settle(ref))
         killed = asyncio.ensure_future(flight.kill_sent.wait())
         try:
@@ -489,10 +447,8 @@ class RayPool:
                 if not done:
                     ray.cancel(ref)
                     answer.cancel()
-                    return Outcome(
-                        call_id=call_id,
-                        tool=tool,
-                        status=Status.CANCELLED,
+                    return flight.outcome(
+                        Status.CANCELLED,
                         killed_by=flight.killer,
                         reason=flight.reason,
                         started=True,

@@ -47,7 +47,7 @@ from sandbx_pool.journal.records import (
     StartedRecord,
     summarize,
 )
-from sandbx_pool.journal.writer import JournalWriter, RecordMaker, Waiter
+from sandbx_pool.journal.writer import JournalWriteError, JournalWriter, RecordMaker, Waiter
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome
 from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
@@ -228,6 +228,17 @@ class Journal:
             lambda: OutcomeRecord.from_outcome(outcome, time=stamp, limit=limit),
             sync=self._policy is JournalPolicy.ALWAYS,
         )
+
+    async def settle(self, outcome: Outcome) -> None:
+        """Journal how a call ended, and return once it is as durable as the policy promises:
+        under ALWAYS, on disk (the caller never sees an outcome that is not); otherwise queued.
+        A failing disk is logged, not raised: the call then reads as in doubt (the safe side)."""
+        self.outcome(outcome)
+        if self._policy is JournalPolicy.ALWAYS:
+            try:
+                await self.flush()
+            except JournalWriteError as exc:
+                logger.warning("call {}: outcome not durable: {}", outcome.call_id, exc)
 
     # -- the event loop's side of the queue --------------------------------------------------
 
