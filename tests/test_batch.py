@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -122,6 +123,12 @@ def journal_command(*argv: str) -> str:
         check=True,
         timeout=DEADLINE_S,
     ).stdout
+
+
+def printed_command(out: Path, prefix: str) -> list[str]:
+    """The words of the one command printed after ``prefix`` in the file ``out``."""
+    [line] = [line for line in out.read_text().splitlines() if prefix in line]
+    return shlex.split(line.split(prefix, 1)[1])
 
 
 def wait_until(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[bytes]) -> None:
@@ -573,6 +580,63 @@ def test_sigterm_stops_the_run_and_resume_runs_each_call_once(
     if doubtful:
         assert f"skipped {len(doubtful)} call(s) in doubt" in summary
     print(f"stopped after {stopped_after:.1f} s; resumed {resumed_in:.1f} s")
+
+
+def test_the_printed_resume_command_works_verbatim_from_anywhere(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    home = tmp_path / "batch folder"  # spaces everywhere: the command must be quoted
+    home.mkdir()
+    ws = home / "my ws"
+    ws.mkdir()
+    lines: list[Any] = [{"id": "wait", "tool": "bash", "args": {"command": WAIT_FOR_GO.format(0)}}]
+    lines += [
+        {"id": f"w{i}", "tool": "write", "args": {"path": f"out{i}.txt", "content": f"{i}"}}
+        for i in range(4)
+    ]
+    write_lines(home / "calls.jsonl", lines)
+    marked_toml(home / "marked config.toml")
+    # Typed in the batch's folder, with relative paths.
+    argv = ["run", "calls.jsonl", "--workspace", "my ws", "--journal", "j dir/run.jsonl"]
+    argv += ["--parallel", "1", "--config", "marked config.toml"]
+    first = start_cli(argv, tmp_path / "first", cwd=home)
+    processes.append(first)
+    wait_until(lambda: (ws / "up-0").exists(), "the first call running", first)
+    os.kill(first.pid, signal.SIGTERM)
+    assert first.wait(DEADLINE_S) == 128 + signal.SIGTERM
+
+    words = printed_command(tmp_path / "first.out", "resume with: ")
+    assert words[:2] == ["sandbx-pool", "run"]
+    given = build_parser().parse_args(words[1:])
+    assert (given.calls, given.workspace, given.journal, given.config) == (
+        str(home / "calls.jsonl"),
+        str(ws),
+        str(home / "j dir" / "run.jsonl"),
+        str(home / "marked config.toml"),
+    )
+    assert (given.parallel, given.resume) == (1, True)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    second = start_cli(words[1:], tmp_path / "second", cwd=elsewhere)
+    processes.append(second)
+    # The bash call was cut after it started: in doubt, skipped. The writes ran, in ws.
+    assert second.wait(DEADLINE_S) == 1, (tmp_path / "second.err").read_text()[-2000:]
+    assert sorted(p.name for p in ws.glob("out*.txt")) == [f"out{i}.txt" for i in range(4)]
+    assert list(elsewhere.iterdir()) == []
+
+    (ws / "go").touch()
+    words = printed_command(tmp_path / "second.out", "run them again with: ")
+    assert words[-2:] == ["--resume", "--rerun-started"]
+    third = start_cli(words[1:], tmp_path / "third", cwd=tmp_path)
+    processes.append(third)
+    assert third.wait(DEADLINE_S) == 0, (tmp_path / "third.err").read_text()[-2000:]
+    outcomes = [
+        r
+        for r in read_journal(home / "j dir" / "run.jsonl").records
+        if isinstance(r, OutcomeRecord) and r.call_id == "wait"
+    ]
+    assert [r.status for r in outcomes] == ["cancelled", "ok"]
 
 
 def test_after_a_sigterm_the_calls_in_doubt_are_the_same_everywhere(

@@ -78,13 +78,36 @@ def finished_call_ids(path: str | os.PathLike[str]) -> set[str]:
 
 class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
     """What ``run --resume`` skips: ``finished`` calls, and ``in_doubt`` ones (id -> tool)
-    whose side effect may have happened, unless they are re-run on purpose."""
+    whose side effect may have happened, unless they are re-run on purpose. ``seen``: every
+    id the journal holds; ``workspaces``: each id's workspace as its latest intent recorded
+    it, the latest intent last."""
 
     finished: set[str]
     in_doubt: dict[str, str]
+    seen: set[str] = msgspec.field(default_factory=set)
+    workspaces: dict[str, str] = msgspec.field(default_factory=dict)
 
     def skip(self, *, rerun_started: bool) -> set[str]:
         return self.finished if rerun_started else self.finished | set(self.in_doubt)
+
+    def workspace_root(self, calls: list[CallSpec]) -> str | None:
+        """The workspace root (``--workspace``) that the latest journaled call of ``calls``
+        ran under, or None if the journal recorded none.
+
+        A line with its own ``workspace`` ran in ROOT/NAME: the root is what precedes NAME
+        (a call whose recorded path does not end so is passed over: its line changed).
+        Lexical, like what the pool recorded."""
+        by_id = {spec.call_id: spec for spec in calls}
+        for call_id, recorded in reversed(self.workspaces.items()):
+            spec = by_id.get(call_id)
+            if spec is None:
+                continue
+            if spec.workspace is None:
+                return recorded
+            suffix = os.sep + spec.workspace
+            if recorded.endswith(suffix):
+                return recorded[: -len(suffix)] or os.sep
+        return None
 
 
 def resume_plan(path: str | os.PathLike[str]) -> ResumePlan:
@@ -93,6 +116,8 @@ def resume_plan(path: str | os.PathLike[str]) -> ResumePlan:
     return ResumePlan(
         finished=ledger.finished,
         in_doubt={call.call_id: call.tool for call in ledger.in_doubt},
+        seen=ledger.seen,
+        workspaces=ledger.workspaces,
     )
 
 
