@@ -42,7 +42,7 @@ from bench import procs
 from bench.procs import leftovers
 from bench.workspace import MARKER, BenchWorkspace, bench_workspace
 from sandbx_pool import CancelToken, Pool
-from sandbx_pool.journal.reader import in_doubt, read_journal
+from sandbx_pool.journal.reader import interrupted, read_journal
 from sandbx_pool.journal.records import IntentRecord, OutcomeRecord
 from sandbx_pool.workers.tools.atomic import TEMP_MARKER
 
@@ -81,7 +81,7 @@ class FaultSoak:
     appends_ok: set[int] = field(default_factory=set)
     journal_refusals: int = 0  # side effects refused while the journal's disk was full
     intents: int = 0
-    in_doubt: int = 0
+    without_outcome: int = 0  # intents with no outcome (interrupted)
     duplicated_outcomes: int = 0
     duplicated_appends: int = 0
     lost_appends: int = 0
@@ -97,7 +97,7 @@ class FaultSoak:
 
     def failures(self) -> list[str]:
         checks = {
-            "outcomes lost": len(self.raised) + self.in_doubt,
+            "outcomes lost": len(self.raised) + self.without_outcome,
             "duplicated outcomes": self.duplicated_outcomes,
             "duplicated side effects": self.duplicated_appends,
             "appends lost": self.lost_appends,
@@ -306,7 +306,7 @@ def _account_journal(path: Path, soak: FaultSoak) -> None:
     soak.intents = sum(isinstance(r, IntentRecord) for r in scan.records)
     outcomes = Counter(r.call_id for r in scan.records if isinstance(r, OutcomeRecord))
     soak.duplicated_outcomes = sum(1 for count in outcomes.values() if count > 1)
-    soak.in_doubt = len(in_doubt(scan))
+    soak.without_outcome = len(interrupted(scan))
 
 
 def _account_appends(path: Path, soak: FaultSoak) -> None:
@@ -331,7 +331,7 @@ def report(soak: FaultSoak) -> list[str]:
         "| check | value |",
         "|---|---|",
         f"| outcomes lost (raised, or intents without outcome) | {len(soak.raised)}, "
-        f"{soak.in_doubt} |",
+        f"{soak.without_outcome} |",
         f"| duplicated outcomes in the journal | {soak.duplicated_outcomes} |",
         f"| duplicated side effects (appends found twice) | {soak.duplicated_appends} |",
         f"| appends reported ok but missing | {soak.lost_appends} |",

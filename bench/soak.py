@@ -31,7 +31,7 @@ from bench.latency import CALL_TIMEOUT_S, read_once
 from bench.procs import Leftovers, leftovers
 from bench.workspace import MARKER, BenchWorkspace
 from sandbx_pool import CancelToken, Pool
-from sandbx_pool.journal.reader import in_doubt, read_journal
+from sandbx_pool.journal.reader import interrupted, read_journal
 from sandbx_pool.journal.records import IntentRecord, OutcomeRecord
 
 PARALLEL = 8
@@ -201,7 +201,7 @@ def _check_journal(path: str, result: SoakResult) -> None:
     intent_ids = {r.call_id for r in intents}
     result.intents = len(intents)
     result.outcomes = sum(outcomes.values())
-    result.missing = len(in_doubt(scan))
+    result.missing = len(interrupted(scan))
     result.duplicated = sum(1 for count in outcomes.values() if count > 1)
     result.unmatched = sum(1 for call_id in outcomes if call_id not in intent_ids)
 

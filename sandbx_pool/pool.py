@@ -252,9 +252,9 @@ class Pool:
         return default_journal_path()
 
     async def _remove_leftovers(self) -> None:
-        """Have a worker remove the temp files of writes and edits a crash left in doubt, in
+        """Have a worker remove the temp files of writes and edits a crash interrupted, in
         this pool's workspace: another workspace's are only reported."""
-        paths = journal_reader.unfinished_writes(self.in_doubt, self.workspace)
+        paths = journal_reader.unfinished_writes(self.interrupted, self.workspace)
         if not paths:
             return
         call = CallState(f"{self._id_prefix}-recovery", "_remove_temps", {"paths": paths}, 30.0)
@@ -526,10 +526,17 @@ class Pool:
         return min(calls.max_output_bytes, calls.keep_output_bytes)
 
     @property
+    def interrupted(self) -> list[IntentRecord]:
+        """Calls a previous coordinator journaled and never finished, of any tool (found when
+        the journal was opened, each reported once): what was in flight when it died. Not the
+        calls in doubt of ``sandbx-pool journal in-doubt`` (``journal.reader.call_ledger``),
+        which are only edit and bash calls, and include those a shutdown stopped mid-way."""
+        return self.journal.interrupted if self.journal is not None else []
+
+    @property
     def in_doubt(self) -> list[IntentRecord]:
-        """Calls a previous coordinator started and never finished (found when the journal
-        was opened): their effects may or may not have happened."""
-        return self.journal.in_doubt if self.journal is not None else []
+        """The older name of ``interrupted``, kept for callers that use it."""
+        return self.interrupted
 
     def running(self) -> list[dict[str, Any]]:
         """Calls a worker has taken and not finished: call id, tool, worker pid, seconds so far."""

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -35,12 +36,16 @@ from sandbx_pool.batch.calls import (
 from sandbx_pool.batch.progress import Progress, format_summary
 from sandbx_pool.batch.run import BatchReport, finished_call_ids, run_batch
 from sandbx_pool.cli.main import build_parser
-from sandbx_pool.journal.reader import in_doubt, read_journal
+from sandbx_pool.journal.reader import interrupted, read_journal
 from sandbx_pool.journal.records import IntentRecord, OutcomeRecord, encoder
 from sandbx_pool.outcome import KilledBy
 
 DEADLINE_S = 60.0
 SIGNAL_BATCH = 2000
+REPO = Path(__file__).resolve().parents[1]
+
+#: A bash call that marks that it began, then waits for ``go`` in the workspace.
+WAIT_FOR_GO = ": > up-{}; while [ ! -e go ]; do sleep 0.01; done"
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -95,12 +100,35 @@ def marked_toml(path: Path, extra: str = "") -> Path:
     return path
 
 
-def start_cli(argv: list[str], out: Path) -> subprocess.Popen[bytes]:
-    """``python -m sandbx_pool.cli ARGV`` with stdout and stderr in files (never a full pipe)."""
+def start_cli(argv: list[str], out: Path, cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """``python -m sandbx_pool.cli ARGV`` with stdout and stderr in files (never a full pipe),
+    run from ``cwd`` if given (the package imported is still this checkout's)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     with open(out.with_suffix(".out"), "wb") as stdout, open(out.with_suffix(".err"), "wb") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "sandbx_pool.cli", *argv], stdout=stdout, stderr=err
+            [sys.executable, "-m", "sandbx_pool.cli", *argv],
+            stdout=stdout,
+            stderr=err,
+            cwd=cwd,
+            env={**os.environ, "PYTHONPATH": path},
         )
+
+
+def journal_command(*argv: str) -> str:
+    """``sandbx-pool journal ARGV``'s output (it must succeed)."""
+    return subprocess.run(
+        [sys.executable, "-m", "sandbx_pool.cli", "journal", *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=DEADLINE_S,
+    ).stdout
+
+
+def printed_command(out: Path, prefix: str) -> list[str]:
+    """The words of the one command printed after ``prefix`` in the file ``out``."""
+    [line] = [line for line in out.read_text().splitlines() if prefix in line]
+    return shlex.split(line.split(prefix, 1)[1])
 
 
 def wait_until(predicate: Callable[[], bool], what: str, proc: subprocess.Popen[bytes]) -> None:
@@ -580,7 +608,7 @@ def test_sigterm_stops_the_run_and_resume_runs_each_call_once(
 
     scan = read_journal(journal)
     assert (scan.torn_tail, scan.corrupt_lines) == (False, [])
-    assert in_doubt(scan) == [], "an intent without its outcome"
+    assert interrupted(scan) == [], "an intent without its outcome"
     intents = Counter(r.call_id for r in scan.records if isinstance(r, IntentRecord))
     outcomes = [r for r in scan.records if isinstance(r, OutcomeRecord)]
     assert set(intents.values()) == {1}
@@ -603,7 +631,7 @@ def test_sigterm_stops_the_run_and_resume_runs_each_call_once(
     resumed_in = time.monotonic() - started
 
     scan = read_journal(journal)
-    assert in_doubt(scan) == []
+    assert interrupted(scan) == []
     ran = Counter(
         r.call_id
         for r in scan.records
@@ -640,6 +668,116 @@ def test_a_plain_progress_line_names_the_call_that_holds_the_run(
     ), err
 
 
+def test_the_printed_resume_command_works_verbatim_from_anywhere(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    home = tmp_path / "batch folder"  # spaces everywhere: the command must be quoted
+    home.mkdir()
+    ws = home / "my ws"
+    ws.mkdir()
+    lines: list[Any] = [{"id": "wait", "tool": "bash", "args": {"command": WAIT_FOR_GO.format(0)}}]
+    lines += [
+        {"id": f"w{i}", "tool": "write", "args": {"path": f"out{i}.txt", "content": f"{i}"}}
+        for i in range(4)
+    ]
+    write_lines(home / "calls.jsonl", lines)
+    marked_toml(home / "marked config.toml")
+    # Typed in the batch's folder, with relative paths.
+    argv = ["run", "calls.jsonl", "--workspace", "my ws", "--journal", "j dir/run.jsonl"]
+    argv += ["--parallel", "1", "--config", "marked config.toml"]
+    first = start_cli(argv, tmp_path / "first", cwd=home)
+    processes.append(first)
+    wait_until(lambda: (ws / "up-0").exists(), "the first call running", first)
+    os.kill(first.pid, signal.SIGTERM)
+    assert first.wait(DEADLINE_S) == 128 + signal.SIGTERM
+
+    words = printed_command(tmp_path / "first.out", "resume with: ")
+    assert words[:2] == ["sandbx-pool", "run"]
+    given = build_parser().parse_args(words[1:])
+    assert (given.calls, given.workspace, given.journal, given.config) == (
+        str(home / "calls.jsonl"),
+        str(ws),
+        str(home / "j dir" / "run.jsonl"),
+        str(home / "marked config.toml"),
+    )
+    assert (given.parallel, given.resume) == (1, True)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    second = start_cli(words[1:], tmp_path / "second", cwd=elsewhere)
+    processes.append(second)
+    # The bash call was cut after it started: in doubt, skipped. The writes ran, in ws.
+    assert second.wait(DEADLINE_S) == 1, (tmp_path / "second.err").read_text()[-2000:]
+    assert sorted(p.name for p in ws.glob("out*.txt")) == [f"out{i}.txt" for i in range(4)]
+    assert list(elsewhere.iterdir()) == []
+
+    (ws / "go").touch()
+    words = printed_command(tmp_path / "second.out", "run them again with: ")
+    assert words[-2:] == ["--resume", "--rerun-started"]
+    third = start_cli(words[1:], tmp_path / "third", cwd=tmp_path)
+    processes.append(third)
+    assert third.wait(DEADLINE_S) == 0, (tmp_path / "third.err").read_text()[-2000:]
+    outcomes = [
+        r
+        for r in read_journal(home / "j dir" / "run.jsonl").records
+        if isinstance(r, OutcomeRecord) and r.call_id == "wait"
+    ]
+    assert [r.status for r in outcomes] == ["cancelled", "ok"]
+
+
+def test_after_a_sigterm_the_calls_in_doubt_are_the_same_everywhere(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    ws = make_workspace(tmp_path, files=1)
+    sleeps = [f"s{i}" for i in range(8)]
+    lines: list[Any] = [
+        {"id": "w", "tool": "write", "args": {"path": "w.txt", "content": "w"}},
+        {"id": "r", "tool": "read", "args": {"path": "f0.txt"}},
+    ]
+    lines += [
+        {"id": f"s{i}", "tool": "bash", "args": {"command": WAIT_FOR_GO.format(i)}}
+        for i in range(len(sleeps))
+    ]
+    lines.append({"id": "last", "tool": "read", "args": {"path": "f0.txt"}})
+    calls = write_lines(tmp_path / "calls.jsonl", lines)
+    journal = tmp_path / "journal.jsonl"
+    argv = ["run", str(calls), "--workspace", str(ws), "--parallel", "3"]
+    argv += ["--journal", str(journal), "--config", str(marked_toml(tmp_path / "marked.toml"))]
+    first = start_cli(argv, tmp_path / "first")
+    processes.append(first)
+    # Three lanes, each held by a bash call that has begun: nothing else can start.
+    wait_until(lambda: len(list(ws.glob("up-*"))) == 3, "three bash calls running", first)
+    os.kill(first.pid, signal.SIGTERM)
+    assert first.wait(DEADLINE_S) == 128 + signal.SIGTERM
+    began = {f"s{path.name.removeprefix('up-')}" for path in ws.glob("up-*")}
+    assert len(began) == 3
+    stopped_at = len(read_journal(journal).records)
+
+    listed = journal_command("in-doubt", str(journal)).splitlines()
+    assert {line.split()[0] for line in listed} == began
+    assert all("stopped after it started" in line for line in listed), listed
+    counted = json.loads(journal_command("stats", str(journal), "--json"))
+    assert (counted["in_doubt"], counted["in_doubt_by_tool"]) == (len(listed), {"bash": 3})
+
+    (ws / "go").touch()
+    second = start_cli([*argv, "--resume"], tmp_path / "second")
+    processes.append(second)
+    assert second.wait(DEADLINE_S) == 1, (tmp_path / "second.err").read_text()[-2000:]
+    skipped = re.findall(
+        r"^  (\S+)  bash  \(line \d+\)$", (tmp_path / "second.out").read_text(), re.M
+    )
+    assert set(skipped) == began
+    resumed = read_journal(journal).records[stopped_at:]
+    rerun = {r.call_id for r in resumed if isinstance(r, IntentRecord)}
+    assert rerun == set(sleeps) - began | {"last"}, "resume ran what did not run, and only that"
+    assert all(r.status == "ok" for r in resumed if isinstance(r, OutcomeRecord))
+    # Skipped, not settled: still in doubt, in both views.
+    assert {
+        line.split()[0] for line in journal_command("in-doubt", str(journal)).splitlines()
+    } == began
+    assert json.loads(journal_command("stats", str(journal), "--json"))["in_doubt"] == 3
+
+
 def test_a_second_sigint_exits_at_once_and_kills_the_workers(
     tmp_path: Path, processes: list[subprocess.Popen[bytes]]
 ) -> None:
@@ -667,8 +805,9 @@ def test_a_second_sigint_exits_at_once_and_kills_the_workers(
     sent = time.monotonic()
     assert proc.wait(DEADLINE_S) == 128 + signal.SIGINT
     assert time.monotonic() - sent < 2.0
-    # No outcome was journaled: the calls are in doubt, and a resume would run them again.
-    assert {r.call_id for r in in_doubt(read_journal(journal))} == {"s0", "s1", "s2"}
+    # No outcome was journaled: the calls are in doubt (a resume skips them, or with
+    # --rerun-started runs them again).
+    assert {r.call_id for r in interrupted(read_journal(journal))} == {"s0", "s1", "s2"}
     # The autouse fixture checks that no worker, bash or sleep is left.
 
 

@@ -1,5 +1,6 @@
 """The command line's first minutes: exit codes, one-line usage errors, the journal's path,
-default-location journals pruned, a closed pipe, ``journal show``'s table."""
+a batch refused where it would repeat itself or land elsewhere, default-location journals
+pruned, a closed pipe, ``journal show``'s table."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_batch import marked_toml
 
 from sandbx_pool.journal.prune import prune_default_journals
 
@@ -92,6 +94,84 @@ def test_usage_errors_exit_2_on_one_line_before_any_pool(workspace: Path, tmp_pa
     run = cli("run", str(calls), "--workspace", str(missing), cwd=tmp_path)
     assert run.returncode == 2
     assert one_line(run) == f"sandbx-pool run: --workspace {missing}: no such directory"
+
+
+# -- run into a journal that already holds the batch -------------------------------------------
+
+
+def calls_file(path: Path, lines: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_batch_run_again_into_its_journal_needs_resume_or_fresh(
+    workspace: Path, tmp_path: Path
+) -> None:
+    appends = [
+        {"tool": "bash", "args": {"command": "echo x >> log"}},
+        {"tool": "ls"},
+    ]  # ids derived
+    calls = calls_file(tmp_path / "calls.jsonl", appends)
+    journal = tmp_path / "j.jsonl"
+    argv = ["--workspace", str(workspace), "--journal", str(journal)]
+    argv += ["--config", str(marked_toml(tmp_path / "marked.toml"))]
+    assert cli("run", str(calls), *argv, cwd=tmp_path).returncode == 0
+    assert (workspace / "log").read_text() == "x\n"
+    before = journal.read_bytes()
+
+    # The same lines under another name are the same calls: their ids come from their content.
+    copy = calls_file(tmp_path / "copy.jsonl", appends)
+    for path in (calls, copy):
+        again = cli("run", str(path), *argv, cwd=tmp_path)
+        assert again.returncode == 2
+        line = one_line(again)
+        assert "--resume" in line
+        assert "--fresh" in line
+        assert str(journal) in line
+        assert journal.read_bytes() == before, "the refused run journaled something"
+        assert (workspace / "log").read_text() == "x\n", "the refused run ran something"
+
+    both = cli("run", str(calls), *argv, "--fresh", "--resume", cwd=tmp_path)
+    assert both.returncode == 2
+    assert "--fresh" in one_line(both)
+
+    fresh = cli("run", str(calls), *argv, "--fresh", cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert (workspace / "log").read_text() == "x\nx\n", "--fresh runs every call again"
+    intents = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert sum(r["kind"] == "intent" for r in intents) == 4
+    assert journal.read_bytes().startswith(before), "appended to the journal"
+
+    # Other calls (another line is another id) are not in the journal: they just run.
+    other = calls_file(tmp_path / "other.jsonl", [{"tool": "ls", "args": {"path": "src"}}])
+    assert cli("run", str(other), *argv, cwd=tmp_path).returncode == 0
+
+
+def test_resume_in_another_workspace_is_refused(workspace: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (workspace / "ep-1").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(workspace)
+    # Lines of the pool's own workspace, and lines that carry theirs (a folder under it).
+    for number, lines in enumerate([[{"tool": "ls"}], [{"tool": "ls", "workspace": "ep-1"}]]):
+        calls = calls_file(tmp_path / "calls.jsonl", lines)
+        journal = tmp_path / f"j{number}.jsonl"
+        run = ["run", str(calls), "--journal", str(journal)]
+        assert cli(*run, "--workspace", str(workspace), cwd=tmp_path).returncode == 0
+        before = journal.read_bytes()
+
+        elsewhere = cli(*run, "--workspace", str(other), "--resume", cwd=tmp_path)
+        assert elsewhere.returncode == 2
+        line = one_line(elsewhere)
+        assert str(workspace) in line
+        assert str(other) in line
+        assert journal.read_bytes() == before
+
+        # The same directory by another name is the same workspace (nothing is left to run).
+        same = cli(*run, "--workspace", str(link), "--resume", cwd=tmp_path)
+        assert same.returncode == 0, same.stderr
+        assert journal.read_bytes() == before
 
 
 def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:

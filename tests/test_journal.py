@@ -25,14 +25,18 @@ import pytest
 from helpers import wait_until
 from loguru import logger
 
+from sandbx_pool.batch.run import resume_plan
 from sandbx_pool.cli.journal import add_journal_parser
 from sandbx_pool.config import JournalPolicy, JournalSettings
 from sandbx_pool.errors import JournalError, JournalLocked
 from sandbx_pool.journal.reader import (
-    in_doubt,
+    Doubt,
+    in_doubt_calls,
+    interrupted,
     read_journal,
 )
 from sandbx_pool.journal.records import (
+    NODE_LOST,
     InDoubtRecord,
     IntentRecord,
     OutcomeRecord,
@@ -459,7 +463,7 @@ async def test_every_intent_gets_exactly_one_outcome(opened: Any, path: Path) ->
     scan = read_journal(path)
     assert not scan.torn_tail
     assert scan.corrupt_lines == []
-    assert in_doubt(scan) == []
+    assert interrupted(scan) == []
     order: dict[str, list[str]] = {}
     for record in scan.records:
         order.setdefault(record.call_id, []).append(type(record).__name__)
@@ -493,10 +497,10 @@ async def test_torn_tail_is_ignored_and_cut_off(opened: Any, path: Path) -> None
     write_lines(path, an_intent("a"), an_intent("b"), tail=torn)
     scan = read_journal(path)
     assert scan.torn_tail
-    assert [r.call_id for r in in_doubt(scan)] == ["a", "b"]
+    assert [r.call_id for r in interrupted(scan)] == ["a", "b"]
 
     journal = await opened()
-    assert [r.call_id for r in journal.in_doubt] == ["a", "b"]
+    assert [r.call_id for r in journal.interrupted] == ["a", "b"]
     await intent(journal, "c", "write", path="c", content="new")
     await journal.close()
     raw = contents(path)
@@ -519,22 +523,22 @@ async def test_corrupt_middle_line_is_skipped(opened: Any, path: Path) -> None:
     scan = read_journal(path)
     assert scan.corrupt_lines == [2]
     assert not scan.torn_tail
-    assert [r.call_id for r in in_doubt(scan)] == ["b"]
+    assert [r.call_id for r in interrupted(scan)] == ["b"]
     journal = await opened()
-    assert [r.call_id for r in journal.in_doubt] == ["b"]
+    assert [r.call_id for r in journal.interrupted] == ["b"]
 
 
 async def test_in_doubt_is_reported_once(opened: Any, path: Path) -> None:
     write_lines(path, an_intent("a"), an_outcome("a"), an_intent("b"), an_intent("c", "read"))
     first = await opened()
-    assert [r.call_id for r in first.in_doubt] == ["b", "c"]
+    assert [r.call_id for r in first.interrupted] == ["b", "c"]
     await first.close()
 
     second = await opened()
-    assert second.in_doubt == []
-    # For a person auditing the run they are still in doubt: nobody knows if b's write landed.
-    assert [r.call_id for r in in_doubt(read_journal(path))] == ["b", "c"]
-    assert in_doubt(read_journal(path), include_reported=False) == []
+    assert second.interrupted == []
+    # Still interrupted for a person auditing the run: nobody saw b's write or c's read end.
+    assert [r.call_id for r in interrupted(read_journal(path))] == ["b", "c"]
+    assert interrupted(read_journal(path), include_reported=False) == []
 
 
 async def test_open_logs_path_and_in_doubt_count(opened: Any, path: Path) -> None:
@@ -546,7 +550,7 @@ async def test_open_logs_path_and_in_doubt_count(opened: Any, path: Path) -> Non
         journal = await opened()
     finally:
         logger.remove(sink)
-    assert any(str(journal.path) in m and "2 call(s) in doubt" in m for m in messages)
+    assert any(str(journal.path) in m and "2 call(s) interrupted" in m for m in messages)
     assert any("call a (write)" in m for m in messages)
 
 
@@ -678,24 +682,77 @@ def test_cli_stats_table(sample: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_cli_in_doubt(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with sample.open("ab") as f:
-        f.write(
-            encoder.encode(
-                IntentRecord(
-                    call_id="w-big2",
-                    time=1.0,
-                    tool="write",
-                    args=summarize({"path": "o.txt", "content": "y" * 5000}, 4096),
-                    cwd="/ws",
-                )
-            )
-            + b"\n"
-        )
+    big_edit = IntentRecord(
+        call_id="e-big",
+        time=1.0,
+        tool="edit",
+        args=summarize({"path": "o.txt", "old_string": "a", "new_string": "y" * 5000}, 4096),
+        cwd="/ws",
+    )
+    # A write without its outcome is not in doubt: running it again sets the same content.
+    write_lines(sample, *read_journal(sample).records, big_edit, an_intent("w-lost", "write"))
     assert main(["journal", "in-doubt", str(sample)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert [line.split()[:2] for line in out] == [["b1", "bash"], ["w-big2", "write"]]
+    assert [line.split()[:2] for line in out] == [["b1", "bash"], ["e-big", "edit"]]
+    assert all(" no outcome " in line for line in out)
     digest = hashlib.sha256(b"y" * 5000).hexdigest()[:12]
-    assert out[1].endswith(f"path='o.txt' content=<5000 bytes sha256:{digest}>")
+    assert out[1].endswith(f"new_string=<5000 bytes sha256:{digest}>")
+
+
+def test_one_definition_of_in_doubt(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """in-doubt, stats and show name the same calls, and resume skips exactly those."""
+
+    def ended(cid: str, tool: str, status: str, **fields: Any) -> OutcomeRecord:
+        return OutcomeRecord(call_id=cid, time=2.0, tool=tool, status=status, **fields)
+
+    shutdown = {"status": "cancelled", "killed_by": "shutdown"}
+    write_lines(
+        path,
+        an_intent("cut", "bash"),
+        ended("cut", "bash", **shutdown, started=True),  # may have run part of its effects
+        an_intent("queued", "bash"),
+        ended("queued", "bash", **shutdown, started=False),  # provably did not run
+        an_intent("read-cut", "read"),
+        ended("read-cut", "read", **shutdown, started=True),  # read-only: runs again
+        an_intent("crashed", "edit"),  # no outcome: the coordinator died
+        an_intent("write-crashed", "write"),  # idempotent: runs again
+        an_intent("lost", "bash"),
+        ended("lost", "bash", "crashed", reason=NODE_LOST, started=True),
+        an_intent("timed-out", "bash"),
+        ended("timed-out", "bash", "timeout", killed_by="timeout", started=True),  # an end
+        an_intent("settled", "bash"),
+        ended("settled", "bash", **shutdown, started=True),
+        an_intent("settled", "bash"),  # --rerun-started...
+        ended("settled", "bash", "ok", started=True),  # ...and it ran to an end
+        an_intent("still", "bash"),
+        ended("still", "bash", **shutdown, started=True),
+        an_intent("still", "bash"),  # --rerun-started, stopped again before it started
+        ended("still", "bash", **shutdown, started=False),
+        an_intent("again", "bash"),
+        ended("again", "bash", "ok", started=True),
+        an_intent("again", "bash"),  # run again (--fresh) and cut mid-way
+        ended("again", "bash", **shutdown, started=True),
+    )
+    doubtful = {"cut", "crashed", "lost", "still", "again"}
+    calls = in_doubt_calls(read_journal(path))
+    assert {call.call_id for call in calls} == doubtful
+    assert {call.call_id: call.why for call in calls}["crashed"] is Doubt.NO_OUTCOME
+    assert {call.call_id: call.why for call in calls}["lost"] is Doubt.NODE_LOST_AFTER_START
+
+    assert main(["journal", "in-doubt", str(path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert {line.split()[0] for line in listed} == doubtful
+    assert "stopped after it started" in next(line for line in listed if line.startswith("cut"))
+    assert main(["journal", "stats", str(path), "--json"]) == 0
+    counted = json.loads(capsys.readouterr().out)
+    assert (counted["in_doubt"], counted["in_doubt_by_tool"]) == (5, {"bash": 4, "edit": 1})
+    assert counted["no_outcome"] == 2  # the edit's and the write's intents, of any tool
+    assert main(["journal", "show", str(path), "--status", "in_doubt", "--json"]) == 0
+    shown = {json.loads(line)["call_id"] for line in capsys.readouterr().out.splitlines()}
+    assert shown == doubtful
+    plan = resume_plan(path)
+    assert set(plan.in_doubt) == doubtful
+    assert plan.finished == {"timed-out", "settled"}
 
 
 def test_cli_show_filters(sample: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -754,10 +811,10 @@ def test_cli_missing_journal_exits_2(
 
 
 def test_cli_mentions_torn_tail_on_stderr(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    write_lines(path, an_intent("a"), tail=b'{"kind":"outc')
+    write_lines(path, an_intent("a", "bash"), tail=b'{"kind":"outc')
     assert main(["journal", "in-doubt", str(path)]) == 0
     captured = capsys.readouterr()
-    assert captured.out.split()[:2] == ["a", "write"]
+    assert captured.out.split()[:2] == ["a", "bash"]
     assert "torn" in captured.err
 
 
@@ -774,7 +831,7 @@ CRASHING_COORDINATOR = """
     async def main(path, seed):
         rng = random.Random(seed)
         journal = await Journal.open(path, JournalSettings(group_commit_ms=2))
-        print("open", ",".join(r.call_id for r in journal.in_doubt), flush=True)
+        print("open", ",".join(r.call_id for r in journal.interrupted), flush=True)
 
         async def worker(w):
             n = 0
@@ -842,7 +899,7 @@ async def test_sigkilled_coordinator_leaves_a_consistent_journal(
         assert set(outcomes) <= journaled
         assert intents_done <= journaled, "a durable intent is missing"
         assert outcomes_done <= set(outcomes), "a flushed outcome is missing"
-        now_in_doubt = {r.call_id for r in in_doubt(scan, include_reported=False)}
+        now_in_doubt = {r.call_id for r in interrupted(scan, include_reported=False)}
         # Only this round's calls, never a finished one, at most one per coordinator task.
         assert all(cid.startswith(f"{round_}-") for cid in now_in_doubt)
         assert not now_in_doubt & outcomes_done
@@ -864,12 +921,12 @@ async def test_sigkilled_coordinator_leaves_a_consistent_journal(
     assert torn_rounds >= 1
     journal = await Journal.open(path, settings())
     try:
-        assert {r.call_id for r in journal.in_doubt} == expected_in_doubt
+        assert {r.call_id for r in journal.interrupted} == expected_in_doubt
         await intent(journal, "after", "write", path="a", content="b")
         journal.outcome(outcome("after", "write"))
     finally:
         await journal.close()
     scan = read_journal(path)
     assert (scan.torn_tail, scan.corrupt_lines) == (False, [])
-    assert in_doubt(scan, include_reported=False) == []
+    assert interrupted(scan, include_reported=False) == []
     assert msgspec.json.decode(lines(path)[-1])["call_id"] == "after"

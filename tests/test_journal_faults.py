@@ -27,7 +27,7 @@ from sandbx_pool import Pool, Status
 from sandbx_pool.batch.calls import load_batch
 from sandbx_pool.batch.run import resume_plan, run_batch
 from sandbx_pool.errors import JournalLocked
-from sandbx_pool.journal.reader import in_doubt, read_journal
+from sandbx_pool.journal.reader import in_doubt_calls, interrupted, read_journal
 from sandbx_pool.journal.records import (
     JOURNAL_REFUSED,
     NODE_LOST,
@@ -181,7 +181,9 @@ def assert_whole(journal: Path, ran: list[str], refused: tuple[str, ...] = ()) -
     order = [(type(r).__name__, r.call_id) for r in journaled]
     for call_id in call_ids:
         assert order.index(("IntentRecord", call_id)) < order.index(("OutcomeRecord", call_id))
-    assert in_doubt(read_journal(journal)) == []
+    scan = read_journal(journal)
+    assert interrupted(scan) == []
+    assert in_doubt_calls(scan) == []
     assert resume_plan(journal).finished == set(ran), "resume would repeat a call"
     temps = [n for n in os.listdir(journal.parent) if n.startswith(f".{journal.name}.sbx-keep")]
     assert temps == [], "a temp copy was left behind"
@@ -422,15 +424,14 @@ def test_resume_never_runs_an_append_twice(
     for number in in_flight:
         assert f"append-{number}  bash" in out
     assert "--rerun-started" in out
-    # After a crash they have no outcome at all: `journal in-doubt` still lists them (SIGTERM
-    # gave them one, cancelled by shutdown: the resume above is what lists those).
+    # `journal in-doubt` lists the calls the resume skipped, whether the stop gave them an
+    # outcome (SIGTERM: cancelled by shutdown after they started) or none (SIGKILL).
     listed = subprocess.run(
         [*_cli(), "journal", "in-doubt", str(journal)], capture_output=True, text=True, check=True
-    ).stdout
-    expected = in_flight if stop is signal.SIGKILL else set()
-    assert sorted(line.split()[0] for line in listed.splitlines()) == sorted(
-        f"append-{n}" for n in expected
-    )
+    ).stdout.splitlines()
+    assert sorted(line.split()[0] for line in listed) == sorted(f"append-{n}" for n in in_flight)
+    why = "no outcome" if stop is signal.SIGKILL else "stopped after it started"
+    assert all(why in line for line in listed), listed
 
 
 def test_a_completing_resume_leaves_nothing_in_doubt(
@@ -442,13 +443,14 @@ def test_a_completing_resume_leaves_nothing_in_doubt(
     wait_until(lambda: count_in(journal, b'"kind":"started"') >= PARALLEL, "started", first)
     os.kill(first.pid, signal.SIGKILL)
     first.wait(DEADLINE_S)
-    assert in_doubt(read_journal(journal)), "the crash left calls in doubt"
+    assert in_doubt_calls(read_journal(journal)), "the crash left calls in doubt"
 
     (ws / "fast").touch()
     second = start_cli([*argv, "--resume", "--rerun-started"], tmp_path / "second")
     processes.append(second)
     assert second.wait(DEADLINE_S) == 0, (tmp_path / "second.err").read_text()[-2000:]
-    assert in_doubt(read_journal(journal)) == []
+    scan = read_journal(journal)
+    assert (in_doubt_calls(scan), interrupted(scan)) == ([], [])
     listed = subprocess.run(
         [*_cli(), "journal", "in-doubt", str(journal)], capture_output=True, text=True, check=True
     )
@@ -512,7 +514,9 @@ def test_a_later_outcome_settles_an_attempt_a_crash_left_in_doubt(tmp_path: Path
             _intent("still", "edit"),
         ],
     )
-    assert [r.call_id for r in in_doubt(read_journal(journal))] == ["still"]
+    scan = read_journal(journal)
+    assert [call.call_id for call in in_doubt_calls(scan)] == ["still"]
+    assert [r.call_id for r in interrupted(scan)] == ["still"]
 
 
 def test_resume_skips_side_effects_that_may_have_happened(tmp_path: Path) -> None:
@@ -577,7 +581,7 @@ async def test_a_journal_cut_short_under_the_pool_goes_on_after_a_whole_line(
         assert (await slow).ok
     scan = read_journal(journal)
     assert (scan.torn_tail, scan.corrupt_lines) == (False, [1]), "the cut line only is lost"
-    assert in_doubt(scan) == [], "every outcome after the cut follows its intent"
+    assert interrupted(scan) == [], "every outcome after the cut follows its intent"
     assert {r.call_id for r in scan.records if isinstance(r, IntentRecord)} == {
         slow.result().call_id,
         b.call_id,

@@ -91,7 +91,7 @@ async def main(workspace, journal, seed):
     rng = random.Random(seed)
     config = Config().override(journal={"policy": "always"}, env={"set": {MARKER: VALUE}})
     async with Pool(workspace, journal=journal, config=config, workers=4) as pool:
-        print("in-doubt", *[r.call_id for r in pool.in_doubt], flush=True)
+        print("in-doubt", *[r.call_id for r in pool.interrupted], flush=True)
 
         async def lane(n):
             for i in range(10_000):
@@ -189,7 +189,8 @@ async def test_reopening_removes_temps_of_writes_left_in_doubt(
     bystander = workspace / "sub" / "keep.txt"
     bystander.write_text("mine")
     async with Pool(workspace, journal=journal_path, config=marked_config()) as pool:
-        assert [record.call_id for record in pool.in_doubt] == ["lost-1"]
+        assert [record.call_id for record in pool.interrupted] == ["lost-1"]
+        assert pool.in_doubt == pool.interrupted  # its older name
     assert not leftover.exists()
     assert bystander.read_text() == "mine"
 
@@ -224,7 +225,7 @@ async def test_temps_of_writes_in_doubt_in_another_workspace_are_left_alone(
     sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
     try:
         async with Pool(workspace, journal=journal_path, config=marked_config()) as pool:
-            assert {record.call_id for record in pool.in_doubt} == {"elsewhere-1", "here-1"}
+            assert {record.call_id for record in pool.interrupted} == {"elsewhere-1", "here-1"}
     finally:
         logger.remove(sink)
     assert not ours.exists()

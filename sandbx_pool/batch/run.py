@@ -13,18 +13,16 @@ lanes take no more specs; the calls in flight end as ``cancelled`` with killer `
 and are journaled like any outcome. A call refused because the pool closed under it
 (PoolClosed) was never journaled and simply counts as not run.
 
-Resume: ``resume_plan`` reads the journal of the earlier run and says what to skip. A call
-with an outcome other than a shutdown cancel is finished. The rest run again, unless running
-them again could repeat a side effect that may already have happened: an edit or bash call (see
-``IDEMPOTENT_TOOLS``) that was cancelled by a shutdown after a worker took it, or that has an
-intent and no outcome at all (the coordinator was SIGKILLed, or a second SIGINT exited at once).
-Such a call is *in doubt*: listed and skipped, unless ``rerun_started``; so are the calls
-that come ``after`` it (held back: not run, and counted so). A missing ``started``
-record proves nothing (it is written just after the call is sent to its worker), so an intent
-without an outcome counts as in doubt whether or not one was found. Calls the pool refused
-because the journal could not be written (reason ``JOURNAL_REFUSED``) never ran, and run again;
-so do calls lost with their Ray node (reason ``NODE_LOST``), except edit and bash ones a worker
-had taken, which are in doubt like any other.
+Resume: ``resume_plan`` reads the journal of the earlier run and says what to skip, from
+``journal.reader.call_ledger`` (the one definition of finished and in doubt, which ``journal
+in-doubt`` and ``journal stats`` use too). A call with an outcome other than a shutdown cancel,
+a loss with its Ray node or a refusal by the journal (reason ``JOURNAL_REFUSED``) is finished.
+The rest run again, unless running them again could repeat a side effect that may already
+have happened: an edit or bash call (see ``IDEMPOTENT_TOOLS``) that was stopped after a worker
+took it, or that has an intent and no outcome at all (the coordinator was SIGKILLed, or a
+second SIGINT exited at once). Such a call is *in doubt*: listed and skipped, unless
+``rerun_started``; so are the calls that come ``after`` it (held back: not run, and counted
+so).
 
 The pool is a ``Pool`` or an ``integrations.ray.RayPool`` (``run --ray``): a line's
 ``workspace`` is then given by name, and each outcome carries the node it ran on.
@@ -44,16 +42,14 @@ import msgspec
 from sandbx_pool.batch.calls import CallSpec
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.errors import PoolClosed, SandbxPoolError
-from sandbx_pool.journal.reader import read_journal
-from sandbx_pool.journal.records import (
-    IDEMPOTENT_TOOLS,
-    JOURNAL_REFUSED,
-    NODE_LOST,
-    IntentRecord,
-    OutcomeRecord,
+from sandbx_pool.journal.reader import (
+    call_ledger,
+    is_node_lost,
+    is_shutdown_cancel,
+    read_journal,
 )
 from sandbx_pool.logs import logger
-from sandbx_pool.outcome import KilledBy, Outcome, Status
+from sandbx_pool.outcome import Outcome
 from sandbx_pool.output import OutputChunk
 from sandbx_pool.pool import Pool
 
@@ -68,16 +64,6 @@ OutcomeCallback = Callable[[CallSpec, Outcome], object]
 SubmitCallback = Callable[[CallSpec], object]
 
 
-def is_shutdown_cancel(status: str, killed_by: str | None) -> bool:
-    """An outcome that says the *run* was stopped, not that the call ran: resume re-runs it."""
-    return status == Status.CANCELLED and killed_by == KilledBy.SHUTDOWN
-
-
-def is_node_lost(status: str, reason: str | None) -> bool:
-    """An outcome that says the call's Ray node died under it: resume runs it again."""
-    return status == Status.CRASHED and reason == NODE_LOST
-
-
 def reruns(outcome: Outcome) -> bool:
     """Whether ``--resume`` runs this outcome's call again: it did not run to an end."""
     return is_shutdown_cancel(outcome.status, outcome.killed_by) or is_node_lost(
@@ -86,50 +72,53 @@ def reruns(outcome: Outcome) -> bool:
 
 
 def finished_call_ids(path: str | os.PathLike[str]) -> set[str]:
-    """Call ids with an outcome that says they ran (see ``ran_to_an_end``)."""
+    """Call ids with an outcome that says they ran (see ``journal.reader.ran_to_an_end``)."""
     return resume_plan(path).finished
-
-
-def ran_to_an_end(record: OutcomeRecord) -> bool:
-    """An outcome after which the call needs no new run: not a shutdown cancel (the *run* was
-    stopped, not the call), not a refusal by a journal that could not be written."""
-    if is_shutdown_cancel(record.status, record.killed_by):
-        return False
-    if is_node_lost(record.status, record.reason):
-        return False
-    return not (record.status == Status.ERROR and record.reason == JOURNAL_REFUSED)
 
 
 class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
     """What ``run --resume`` skips: ``finished`` calls, and ``in_doubt`` ones (id -> tool)
-    whose side effect may have happened, unless they are re-run on purpose."""
+    whose side effect may have happened, unless they are re-run on purpose. ``seen``: every
+    id the journal holds; ``workspaces``: each id's workspace as its latest intent recorded
+    it, the latest intent last."""
 
     finished: set[str]
     in_doubt: dict[str, str]
+    seen: set[str] = msgspec.field(default_factory=set)
+    workspaces: dict[str, str] = msgspec.field(default_factory=dict)
 
     def skip(self, *, rerun_started: bool) -> set[str]:
         return self.finished if rerun_started else self.finished | set(self.in_doubt)
 
+    def workspace_root(self, calls: list[CallSpec]) -> str | None:
+        """The workspace root (``--workspace``) that the latest journaled call of ``calls``
+        ran under, or None if the journal recorded none.
+
+        A line with its own ``workspace`` ran in ROOT/NAME: the root is what precedes NAME
+        (a call whose recorded path does not end so is passed over: its line changed).
+        Lexical, like what the pool recorded."""
+        by_id = {spec.call_id: spec for spec in calls}
+        for call_id, recorded in reversed(self.workspaces.items()):
+            spec = by_id.get(call_id)
+            if spec is None:
+                continue
+            if spec.workspace is None:
+                return recorded
+            suffix = os.sep + spec.workspace
+            if recorded.endswith(suffix):
+                return recorded[: -len(suffix)] or os.sep
+        return None
+
 
 def resume_plan(path: str | os.PathLike[str]) -> ResumePlan:
     """Read the journal at ``path`` into a ResumePlan (see the module's docstring)."""
-    finished: set[str] = set()
-    doubtful: dict[str, str] = {}
-    open_intents: dict[str, str] = {}  # call id -> tool, for intents without an outcome yet
-    for record in read_journal(path).records:
-        if isinstance(record, IntentRecord):
-            open_intents[record.call_id] = record.tool
-        elif isinstance(record, OutcomeRecord):
-            open_intents.pop(record.call_id, None)
-            if ran_to_an_end(record):
-                finished.add(record.call_id)
-            elif record.started and record.tool not in IDEMPOTENT_TOOLS:
-                doubtful[record.call_id] = record.tool
-    for call_id, tool in open_intents.items():
-        if tool not in IDEMPOTENT_TOOLS:
-            doubtful[call_id] = tool
-    in_doubt = {call_id: tool for call_id, tool in doubtful.items() if call_id not in finished}
-    return ResumePlan(finished=finished, in_doubt=in_doubt)
+    ledger = call_ledger(read_journal(path))
+    return ResumePlan(
+        finished=ledger.finished,
+        in_doubt={call.call_id: call.tool for call in ledger.in_doubt},
+        seen=ledger.seen,
+        workspaces=ledger.workspaces,
+    )
 
 
 class BatchReport:

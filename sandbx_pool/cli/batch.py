@@ -6,8 +6,14 @@ failed or is locked by another run); 2 for a bad batch file, config file or usag
 message naming the file, the line or the key; 128 + N when signal N stopped it (the calls in
 flight are cancelled with killer ``shutdown`` and journaled first; ``--resume`` runs them
 again, except edit and bash calls a worker had already taken: those may have done their side
-effect, so they are listed as in doubt and skipped unless ``--rerun-started``). A resumed run
-that skipped calls in doubt exits 1 and says how to re-run them.
+effect, so they are in doubt and skipped unless ``--rerun-started``). A resumed run that
+skipped calls in doubt exits 1 and says how to re-run them. A stopped run prints the command
+that resumes it, whole: absolute paths and every option that changes what runs.
+
+Running into a journal that already holds calls of this batch (by id: ``batch.calls``) is
+refused (2) unless the run says what it means: ``--resume`` (run the rest) or ``--fresh`` (run
+them all again, appended to the same journal). So is a ``--resume`` whose ``--workspace`` is
+not the one the journal recorded for these calls: the rest would land somewhere else.
 
 On a Ray cluster (``--ray ADDRESS|auto``) the calls run on the cluster's nodes through
 ``integrations.ray.RayPool``: a line's ``workspace`` names a folder under ``--workspace`` (all
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from typing import TYPE_CHECKING, Final
 
@@ -62,7 +69,13 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "--resume",
         action="store_true",
         help="skip the calls that finished in the journal (calls stopped by a signal run"
-        " again; edit and bash calls that may have run are listed and skipped)",
+        " again; edit and bash calls that may have run are in doubt: listed and skipped)",
+    )
+    run.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run every call again although the journal already holds them (their side"
+        " effects happen again); the new records are appended to the journal",
     )
     run.add_argument(
         "--rerun-started",
@@ -120,6 +133,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _usage_error("run", "--resume needs --journal PATH (the journal of the earlier run)")
     if args.rerun_started and not args.resume:
         return _usage_error("run", "--rerun-started goes with --resume")
+    if args.fresh and args.resume:
+        return _usage_error("run", "--fresh runs every call again, --resume the rest: not both")
     if args.ray is not None and args.output_dir is not None:
         return _usage_error("run", "--output-dir is not available with --ray (no streaming)")
     if args.ray is not None and not _ray_installed():
@@ -137,10 +152,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
         plan = _earlier_run(args.journal, resume=args.resume)
     except OSError as exc:
         return _usage_error("run", f"cannot read journal {args.journal}: {exc.strerror or exc}")
+    ids = {spec.call_id for spec in batch.calls}
+    if plan is not None and not args.resume:
+        already = len(plan.seen & ids)
+        if already and not args.fresh:
+            return _usage_error(
+                "run",
+                f"journal {args.journal} already holds {already} of these {len(ids)} calls:"
+                " --resume runs the rest, --fresh runs them all again",
+            )
+        if already:
+            logger.warning(
+                "--fresh: {} of these calls are in journal {} already; running all {} again",
+                already,
+                args.journal,
+                len(ids),
+            )
+        plan = None
+    if plan is not None:
+        problem = _other_workspace(plan, batch, args)
+        if problem is not None:
+            return _usage_error("run", problem)
     _warn_about_arguments(batch)
     if plan is None:
         return _run(batch, config, args, set(), set())
-    ids = {spec.call_id for spec in batch.calls}
     in_doubt = set(plan.in_doubt) & ids
     if in_doubt and args.rerun_started:
         logger.warning("--rerun-started: running {} call(s) in doubt again", len(in_doubt))
@@ -148,22 +183,54 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _earlier_run(journal: str | None, *, resume: bool) -> ResumePlan | None:
+    """What the journal says of its calls, or None when there is no journal yet."""
     from sandbx_pool.batch.run import resume_plan
 
     if journal is None or not os.path.exists(journal):
         if resume:
             logger.info("--resume: {} does not exist yet; running every call", journal)
         return None
-    plan = resume_plan(journal)
-    if not resume:
-        if plan.finished:
-            logger.warning(
-                "journal {} already has {} finished call(s); without --resume they run again",
-                journal,
-                len(plan.finished),
-            )
+    return resume_plan(journal)
+
+
+def _other_workspace(plan: ResumePlan, batch: BatchFile, args: argparse.Namespace) -> str | None:
+    """Why ``--resume`` must not run in ``--workspace``: the journal ran these calls in
+    another one (the pool's root; a line's own ``workspace`` is a folder under it)."""
+    recorded = plan.workspace_root(batch.calls)
+    given = os.path.abspath(args.workspace)
+    if recorded is None or _same_directory(recorded, given):
         return None
-    return plan
+    return f"--resume: journal {args.journal} ran these calls in {recorded}, not in {given}"
+
+
+def _same_directory(recorded: str, given: str) -> bool:
+    # What the pool recorded is lexical (abspath): a symlink may name the same place.
+    if os.path.normpath(recorded) == given:
+        return True
+    try:
+        return os.path.realpath(recorded) == os.path.realpath(given)
+    except (OSError, ValueError):
+        return False
+
+
+def resume_command(args: argparse.Namespace, journal: str, *, rerun_started: bool = False) -> str:
+    """The command that resumes this run, to paste from any directory: absolute paths, the
+    options that change what runs, shell-quoted."""
+    words = ["sandbx-pool", "run", os.path.abspath(args.calls)]
+    words += ["--workspace", os.path.abspath(args.workspace)]
+    words += ["--journal", os.path.abspath(journal)]
+    if args.config is not None:
+        words += ["--config", os.path.abspath(args.config)]
+    if args.parallel is not None:
+        words += ["--parallel", str(args.parallel)]
+    if args.output_dir is not None:
+        words += ["--output-dir", os.path.abspath(args.output_dir)]
+    if args.ray is not None:
+        words += ["--ray", args.ray]  # an address or "auto", not a path
+    words.append("--resume")
+    if rerun_started:
+        words.append("--rerun-started")
+    return shlex.join(words)
 
 
 def _warn_about_arguments(batch: BatchFile) -> None:
@@ -228,10 +295,7 @@ def _run(
         if report.in_doubt:
             print("\n".join(_in_doubt_lines(report, batch, args)), flush=True)
         if report.not_run and report.journal:
-            print(
-                f"resume with: sandbx-pool run {batch.path} --journal {report.journal} --resume",
-                flush=True,
-            )
+            print(f"resume with: {resume_command(args, report.journal)}", flush=True)
         return 0 if report.complete else EXIT_FAILED
 
     return run_until_signalled(main)
@@ -256,9 +320,9 @@ def _in_doubt_lines(report: BatchReport, batch: BatchFile, args: argparse.Namesp
         lines.append(f"  ... and {len(report.in_doubt) - SHOWN_IN_DOUBT} more")
     if report.held:
         lines.append(f"held back {len(report.held)} call(s) that come after them")
+    journal = report.journal or args.journal
     lines.append(
-        f"check them, then run them again with: sandbx-pool run {batch.path}"
-        f" --journal {args.journal} --resume --rerun-started"
+        "check them, then run them again with: " + resume_command(args, journal, rerun_started=True)
     )
     return lines
 

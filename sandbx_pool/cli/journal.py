@@ -3,6 +3,10 @@
 Read-only on purpose: a coordinator may still be appending, and only the coordinator holding
 the lock may cut a torn tail off. A torn tail or corrupt lines are mentioned on stderr; stdout
 stays machine-readable.
+
+"In doubt" has one meaning here, ``journal.reader.call_ledger``'s, the one ``run --resume``
+skips by: ``in-doubt`` lists those calls (with why), ``stats`` counts them, ``show --status
+in_doubt`` selects them.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -19,7 +23,7 @@ from sandbx_pool.journal.reader import (
     JournalScan,
     JournalStats,
     Latency,
-    in_doubt,
+    in_doubt_calls,
     read_journal,
     stats,
 )
@@ -35,8 +39,12 @@ from sandbx_pool.tables import status_order, text_table
 #: Exit code for a journal that cannot be read (argparse uses 2 for usage errors too).
 EXIT_UNREADABLE: Final = 2
 
-#: ``--status`` value selecting calls that have no outcome.
+#: ``--status`` value selecting the calls in doubt (those ``in-doubt`` lists).
 IN_DOUBT: Final = "in_doubt"
+
+#: ``--status`` value (and status shown) of a call that has no outcome and is not in doubt:
+#: a read-only or write call the coordinator never saw end (``run --resume`` runs it again).
+NO_OUTCOME: Final = "no_outcome"
 
 #: Longest argument value shown in full by ``in-doubt``.
 ARG_PREVIEW_CHARS: Final = 60
@@ -54,7 +62,8 @@ def add_journal_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
 
     doubt = commands.add_parser(
         "in-doubt",
-        help="calls with an intent and no later outcome of the same id (the coordinator died)",
+        help="edit and bash calls that may or may not have run (no outcome, or stopped after"
+        " they started): what run --resume skips",
     )
     doubt.add_argument("path", metavar="PATH")
     doubt.set_defaults(func=_reading(_cmd_in_doubt))
@@ -68,7 +77,11 @@ def add_journal_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         "show", help="matching calls as a table, one a line (--json: their records)"
     )
     show.add_argument("path", metavar="PATH")
-    show.add_argument("--status", help=f"an outcome status, or {IN_DOUBT} for calls without one")
+    show.add_argument(
+        "--status",
+        help=f"an outcome status, {IN_DOUBT} (the calls in-doubt lists) or {NO_OUTCOME}"
+        " (the other calls without an outcome)",
+    )
     show.add_argument("--tool", help="only calls of this tool")
     show.add_argument("--call", metavar="ID", help="only this call id")
     show.add_argument("--json", action="store_true", help="the records, as JSON Lines")
@@ -106,14 +119,20 @@ def _report_damage(scan: JournalScan) -> None:
 
 
 def _cmd_in_doubt(args: argparse.Namespace, scan: JournalScan) -> int:
-    calls = in_doubt(scan)
+    """One line a call in doubt: id, tool, why, its arguments summarised."""
+    calls = in_doubt_calls(scan)
     if not calls:
         print(f"{scan.path}: no calls in doubt", file=sys.stderr)
         return 0
     id_width = max(len(c.call_id) for c in calls)
     tool_width = max(len(c.tool) for c in calls)
+    why_width = max(len(c.why) for c in calls)
     for call in calls:
-        line = f"{call.call_id:<{id_width}}  {call.tool:<{tool_width}}  {describe_args(call.args)}"
+        arguments = describe_args(call.intent.args) if call.intent is not None else ""
+        line = (
+            f"{call.call_id:<{id_width}}  {call.tool:<{tool_width}}  {call.why:<{why_width}}"
+            f"  {arguments}"
+        )
         print(line.rstrip())
     return 0
 
@@ -158,7 +177,7 @@ def format_stats(path: str, summary: JournalStats) -> list[str]:
     for tool in tools:
         statuses = summary.by_tool_status.get(tool, {})
         calls = summary.by_tool.get(tool, 0)
-        doubt = max(0, calls - sum(statuses.values()))
+        doubt = summary.in_doubt_by_tool.get(tool, 0)
         rows.append([tool, str(calls), *(str(statuses.get(c, 0)) for c in columns), str(doubt)])
     total = [str(summary.by_status.get(c, 0)) for c in columns]
     rows.append(["all", str(summary.intents), *total, str(summary.in_doubt)])
@@ -182,32 +201,45 @@ def _latency_cells(value: Latency) -> list[str]:
 
 
 def _cmd_show(args: argparse.Namespace, scan: JournalScan) -> int:
-    records = select(scan, status=args.status, tool=args.tool, call_id=args.call)
+    doubts = {call.call_id: call.why for call in in_doubt_calls(scan)}
+    records = select(scan, status=args.status, tool=args.tool, call_id=args.call, doubts=doubts)
     if args.json:
         for record in records:
             sys.stdout.write(encoder.encode(record).decode() + "\n")
     else:
-        print("\n".join(format_calls(records)))
+        print("\n".join(format_calls(records, doubts)))
     return 0
 
 
-def format_calls(records: list[JournalRecord]) -> list[str]:
-    """One line a call: id, tool, status, seconds, its arguments, then why it ended so."""
+def format_calls(
+    records: list[JournalRecord], doubts: Mapping[str, str] | None = None
+) -> list[str]:
+    """One line a call: id, tool, status, seconds, its arguments, then why it ended so.
+
+    ``doubts``: the calls in doubt and why (``in_doubt_calls``); their status shows as
+    ``in_doubt``, their latest outcome (if any) in the detail."""
+    doubts = doubts or {}
     calls: dict[str, list[JournalRecord]] = {}
     for record in records:
         calls.setdefault(record.call_id, []).append(record)
     rows = [["call", "tool", "status", "seconds", "args", "detail"]]
     for call_id, parts in calls.items():
         intent = next((r for r in parts if isinstance(r, IntentRecord)), None)
-        outcome = next((r for r in reversed(parts) if isinstance(r, OutcomeRecord)), None)
+        outcome = _latest_outcome(parts)
+        detail = _detail(outcome)
+        if call_id in doubts:
+            status = IN_DOUBT
+            detail = f"in doubt, {doubts[call_id]}" + (f": {detail}" if outcome else "")
+        else:
+            status = outcome.status if outcome is not None else NO_OUTCOME
         rows.append(
             [
                 call_id,
                 _tool_of(parts) or "?",
-                outcome.status if outcome is not None else IN_DOUBT,
+                status,
                 f"{outcome.duration_s:.3f}" if outcome is not None else "",
                 _clip(describe_args(intent.args)) if intent is not None else "",
-                _clip(_detail(outcome)),
+                _clip(detail),
             ]
         )
     if len(rows) == 1:
@@ -236,8 +268,14 @@ def select(
     status: str | None = None,
     tool: str | None = None,
     call_id: str | None = None,
+    doubts: Mapping[str, str] | None = None,
 ) -> list[JournalRecord]:
-    """Every record of the calls matching all the filters, grouped by call, in call order."""
+    """Every record of the calls matching all the filters, grouped by call, in call order.
+
+    ``status`` ``in_doubt`` matches the calls in doubt (``doubts``, computed when not given),
+    ``no_outcome`` the calls without an outcome, any other the latest outcome's status."""
+    if status == IN_DOUBT and doubts is None:
+        doubts = {call.call_id: call.why for call in in_doubt_calls(scan)}
     calls: dict[str, list[JournalRecord]] = {}
     for record in scan.records:
         calls.setdefault(record.call_id, []).append(record)
@@ -247,7 +285,10 @@ def select(
             continue
         if tool is not None and _tool_of(records) != tool:
             continue
-        if status is not None and _status_of(records) != status:
+        if status == IN_DOUBT:
+            if cid not in (doubts or {}):
+                continue
+        elif status is not None and _status_of(records) != status:
             continue
         chosen.extend(records)
     return chosen
@@ -260,6 +301,10 @@ def _tool_of(records: list[JournalRecord]) -> str | None:
     return None
 
 
+def _latest_outcome(records: list[JournalRecord]) -> OutcomeRecord | None:
+    return next((r for r in reversed(records) if isinstance(r, OutcomeRecord)), None)
+
+
 def _status_of(records: list[JournalRecord]) -> str:
-    outcomes = [r for r in records if isinstance(r, OutcomeRecord)]
-    return outcomes[-1].status if outcomes else IN_DOUBT
+    outcome = _latest_outcome(records)
+    return outcome.status if outcome is not None else NO_OUTCOME

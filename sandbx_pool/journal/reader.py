@@ -3,6 +3,20 @@
 Used by ``Journal.open`` (recovery, under the journal's lock) and by ``sandbx-pool journal``
 and ``run --resume`` (read-only, possibly while a coordinator is still appending).
 
+Two questions are asked of a journal's calls, and kept apart by name:
+
+* **in doubt** (``call_ledger``, ``in_doubt_calls``): a call whose side effect may or may not
+  have happened, so running it again could repeat it. An edit or bash call (not in
+  ``IDEMPOTENT_TOOLS``) whose latest attempt has no outcome (its coordinator died), or was
+  stopped after a worker took it (a shutdown cancel with ``started``, a loss with its Ray
+  node), and that no later outcome settled. The one definition: ``journal in-doubt`` lists
+  these, ``journal stats`` counts them and ``run --resume`` skips them (``--rerun-started``
+  runs them). A call stopped before it started is not in doubt (it provably did not run), nor
+  is a call of a tool that may simply run again (read, ls, grep, find, write).
+* **interrupted** (``interrupted``): every intent, of any tool, that has no later outcome of
+  its call id: what was in flight when a coordinator died. The pool reports these at open
+  (``Pool.interrupted``, the ``in_doubt`` records) and removes their writes' temp files.
+
 Parsing is forgiving by design: the journal is most needed right after something went wrong.
 A last line without its newline is a write the coordinator never finished (a torn write): it
 is ignored, and ``recover`` cuts it off so that the next record does not get glued to it. A
@@ -11,6 +25,7 @@ corrupt line elsewhere is skipped with a warning; the records around it still co
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 from collections import Counter, defaultdict
@@ -19,6 +34,9 @@ from typing import Final
 import msgspec
 
 from sandbx_pool.journal.records import (
+    IDEMPOTENT_TOOLS,
+    JOURNAL_REFUSED,
+    NODE_LOST,
     InDoubtRecord,
     IntentRecord,
     JournalRecord,
@@ -26,6 +44,7 @@ from sandbx_pool.journal.records import (
     decoder,
 )
 from sandbx_pool.logs import logger
+from sandbx_pool.outcome import KilledBy, Status
 
 #: Percentiles reported by ``stats``, as (name, q).
 PERCENTILES: Final = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0))
@@ -54,6 +73,7 @@ class Latency(msgspec.Struct, frozen=True, kw_only=True):
 class JournalStats(msgspec.Struct, frozen=True, kw_only=True):
     intents: int
     outcomes: int
+    #: The calls in doubt (``in_doubt_calls``): as many as ``journal in-doubt`` lists.
     in_doubt: int
     by_status: dict[str, int]
     by_tool: dict[str, int]
@@ -62,6 +82,41 @@ class JournalStats(msgspec.Struct, frozen=True, kw_only=True):
     latency_by_tool: dict[str, Latency]
     torn_tail: bool
     corrupt_lines: int
+    in_doubt_by_tool: dict[str, int] = msgspec.field(default_factory=dict)
+    #: Intents of any tool with no later outcome of their call id (``interrupted``).
+    no_outcome: int = 0
+
+
+class Doubt(enum.StrEnum):
+    """Why a call is in doubt: what its latest attempt left unknown."""
+
+    NO_OUTCOME = "no outcome"  # its coordinator died (SIGKILL, a second SIGINT, a crash)
+    STOPPED_AFTER_START = "stopped after it started"  # a shutdown cancel, once a worker had it
+    NODE_LOST_AFTER_START = "lost with its node after it started"  # integrations.ray
+
+
+class InDoubtCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A call whose side effect may or may not have happened. ``intent`` is its latest intent
+    (arguments, cwd), None when the journal lost it (a corrupt line)."""
+
+    call_id: str
+    tool: str
+    why: Doubt
+    intent: IntentRecord | None = None
+
+
+class CallLedger(msgspec.Struct, frozen=True, kw_only=True):
+    """What a journal says about the call ids it holds (see ``call_ledger``).
+
+    ``seen``: ids with an intent or an outcome. ``finished``: ids whose latest attempt that
+    did anything ran to an end (``ran_to_an_end``). ``in_doubt``: in journal order.
+    ``workspaces``: each id's workspace as its latest intent recorded it, ordered by those
+    intents (the last one is the latest call made)."""
+
+    seen: set[str]
+    finished: set[str]
+    in_doubt: list[InDoubtCall]
+    workspaces: dict[str, str]
 
 
 def parse_journal(data: bytes, path: str = "<journal>") -> JournalScan:
@@ -114,8 +169,99 @@ def recover(fd: int, path: str) -> JournalScan:
     return scan
 
 
-def in_doubt(scan: JournalScan, *, include_reported: bool = True) -> list[IntentRecord]:
-    """Intents not settled by a later outcome of the same call id, in journal order.
+def is_shutdown_cancel(status: str, killed_by: str | None) -> bool:
+    """An outcome that says the *run* was stopped, not that the call ran: resume re-runs it."""
+    return status == Status.CANCELLED and killed_by == KilledBy.SHUTDOWN
+
+
+def is_node_lost(status: str, reason: str | None) -> bool:
+    """An outcome that says the call's Ray node died under it: resume runs it again."""
+    return status == Status.CRASHED and reason == NODE_LOST
+
+
+def ran_to_an_end(record: OutcomeRecord) -> bool:
+    """An outcome after which the call needs no new run: not a shutdown cancel (the *run* was
+    stopped, not the call), not a loss with its node, not a refusal by a journal that could
+    not be written. Any other outcome (a timeout, a crash of its worker, a token's cancel)
+    says what became of the call itself."""
+    if is_shutdown_cancel(record.status, record.killed_by):
+        return False
+    if is_node_lost(record.status, record.reason):
+        return False
+    return not (record.status == Status.ERROR and record.reason == JOURNAL_REFUSED)
+
+
+def call_ledger(scan: JournalScan) -> CallLedger:
+    """Which calls finished and which are in doubt, replaying the journal in order.
+
+    Each attempt of a call (an intent, then its outcome if it got one) either says something
+    or nothing. An outcome that ran to an end finishes the call. An edit or bash attempt that
+    may have done its side effect without an outcome of its own puts the call in doubt: it
+    has no outcome at all (another intent of the id follows, or the journal ends), or was
+    stopped after it started. The latest attempt that says something decides; an attempt
+    that provably did nothing (stopped before a worker took it, refused by the journal) or
+    whose tool may run again leaves the call as it was. So a call in doubt stays so until an
+    attempt of it ends (``--rerun-started``), and a call that finished, then was run again
+    (``--fresh``) and cut after it started, is in doubt again.
+
+    A missing ``started`` record proves nothing (it is written just after the call is sent
+    to its worker): an intent without an outcome is in doubt either way.
+    """
+    seen: set[str] = set()
+    finished: set[str] = set()
+    doubt: dict[str, tuple[int, InDoubtCall]] = {}
+    open_attempts: dict[str, tuple[int, IntentRecord]] = {}
+    latest_intent: dict[str, IntentRecord] = {}
+    workspaces: dict[str, str] = {}
+
+    def doubted(position: int, call_id: str, tool: str, why: Doubt) -> None:
+        finished.discard(call_id)
+        intent = latest_intent.get(call_id)
+        doubt[call_id] = (position, InDoubtCall(call_id=call_id, tool=tool, why=why, intent=intent))
+
+    for position, record in enumerate(scan.records):
+        call_id = record.call_id
+        if isinstance(record, IntentRecord):
+            seen.add(call_id)
+            earlier = open_attempts.pop(call_id, None)
+            if earlier is not None and may_not_repeat(earlier[1].tool):
+                doubted(earlier[0], call_id, earlier[1].tool, Doubt.NO_OUTCOME)
+            open_attempts[call_id] = (position, record)
+            latest_intent[call_id] = record
+            if record.workspace is not None:
+                workspaces.pop(call_id, None)  # re-inserted last: the latest intent
+                workspaces[call_id] = record.workspace
+        elif isinstance(record, OutcomeRecord):
+            seen.add(call_id)
+            open_attempts.pop(call_id, None)
+            if ran_to_an_end(record):
+                finished.add(call_id)
+                doubt.pop(call_id, None)
+            elif record.started and may_not_repeat(record.tool):
+                lost = is_node_lost(record.status, record.reason)
+                why = Doubt.NODE_LOST_AFTER_START if lost else Doubt.STOPPED_AFTER_START
+                doubted(position, call_id, record.tool, why)
+    for call_id, (position, intent) in open_attempts.items():
+        if may_not_repeat(intent.tool):
+            doubted(position, call_id, intent.tool, Doubt.NO_OUTCOME)
+    ordered = [call for _, call in sorted(doubt.values(), key=lambda item: item[0])]
+    return CallLedger(seen=seen, finished=finished, in_doubt=ordered, workspaces=workspaces)
+
+
+def may_not_repeat(tool: str) -> bool:
+    """Whether running a call of ``tool`` again could repeat or undo what it did: edit, bash
+    (and any tool this reader does not know, on the safe side)."""
+    return tool not in IDEMPOTENT_TOOLS
+
+
+def in_doubt_calls(scan: JournalScan) -> list[InDoubtCall]:
+    """The calls in doubt (see ``call_ledger``), in journal order."""
+    return call_ledger(scan).in_doubt
+
+
+def interrupted(scan: JournalScan, *, include_reported: bool = True) -> list[IntentRecord]:
+    """Intents not settled by a later outcome of the same call id, in journal order: the calls
+    in flight when a coordinator died, of any tool (not the calls in doubt: ``call_ledger``).
 
     An outcome settles every earlier intent of its call id: a resumed run that completes a call
     left in doubt by a crash settles the crashed attempt too (one call id is in flight once at
@@ -136,7 +282,7 @@ def in_doubt(scan: JournalScan, *, include_reported: bool = True) -> list[Intent
 
 
 def unfinished_writes(records: list[IntentRecord], workspace: str) -> list[str]:
-    """The paths (the workspace's cwd joined with the path) of the in-doubt writes and edits
+    """The paths (the workspace's cwd joined with the path) of the interrupted writes and edits
     made in ``workspace``, whose temp files may have been left behind. Those of another
     workspace are only logged: a pool cleans its own workspace, nothing else."""
     paths = []
@@ -148,7 +294,7 @@ def unfinished_writes(records: list[IntentRecord], workspace: str) -> list[str]:
             paths.append(os.path.join(record.cwd, path))
         else:
             logger.warning(
-                "in-doubt {} {} was in workspace {}, not this pool's: its temp file, if any,"
+                "interrupted {} {} was in workspace {}, not this pool's: its temp file, if any,"
                 " stays (open a pool there with this journal to remove it)",
                 record.tool,
                 record.call_id,
@@ -172,10 +318,11 @@ def latency(durations: list[float]) -> Latency | None:
 
 
 def stats(scan: JournalScan) -> JournalStats:
-    """Counts by status, by tool and by both, and latency percentiles of the outcomes.
+    """Counts by status, by tool and by both, latency percentiles of the outcomes, and the
+    calls in doubt (``in_doubt_calls``: the same calls ``journal in-doubt`` lists).
 
-    ``by_tool`` counts intents (calls made); the status counts are over outcomes, so a tool's
-    statuses plus its in-doubt calls add up to its row in ``by_tool``.
+    ``by_tool`` counts intents (attempts made); the status counts are over outcomes, so a
+    tool's statuses plus its intents without an outcome add up to its row in ``by_tool``.
     """
     by_status: Counter[str] = Counter()
     by_tool: Counter[str] = Counter()
@@ -194,10 +341,11 @@ def stats(scan: JournalScan) -> JournalStats:
             durations.append(record.duration_s)
             durations_by_tool[record.tool].append(record.duration_s)
     by_tool_latency = {tool: latency(values) for tool, values in sorted(durations_by_tool.items())}
+    doubtful = in_doubt_calls(scan)
     return JournalStats(
         intents=intents,
         outcomes=outcomes,
-        in_doubt=len(in_doubt(scan)),
+        in_doubt=len(doubtful),
         by_status=dict(by_status.most_common()),
         by_tool=dict(sorted(by_tool.items())),
         by_tool_status={tool: dict(c) for tool, c in sorted(by_tool_status.items())},
@@ -205,4 +353,6 @@ def stats(scan: JournalScan) -> JournalStats:
         latency_by_tool={tool: value for tool, value in by_tool_latency.items() if value},
         torn_tail=scan.torn_tail,
         corrupt_lines=len(scan.corrupt_lines),
+        in_doubt_by_tool=dict(sorted(Counter(call.tool for call in doubtful).items())),
+        no_outcome=len(interrupted(scan)),
     )

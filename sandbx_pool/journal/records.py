@@ -8,8 +8,10 @@ A call leaves, in order::
 
 and, when a coordinator reopens a journal whose previous writer died with calls in flight, one
 ``in_doubt`` record per intent left without an outcome: the new coordinator reported it (log,
-``Journal.in_doubt``, the pool's temp-file cleanup), so the next opening reports only the calls
-that were in flight at the *latest* crash.
+``Journal.interrupted``, the pool's temp-file cleanup), so the next opening reports only the
+calls that were in flight at the *latest* crash. The record's name is older than the word's
+one meaning (``reader.call_ledger``): it marks an interrupted call as reported, and changes
+nothing about whether the call is in doubt.
 
 Every record carries ``v``, the journal format version. Rules from msgspec's schema-evolution
 guide: new fields get defaults and go last; a field's type never changes. ``status`` and

@@ -4,7 +4,7 @@ The pool journals each call's intent before dispatch (``await intent()``), the w
 it (``started()``) and how it ended (``outcome()``). This module is the facade: it decides how
 durable each record must be, tracks which calls are open, and opens, recovers and closes the
 journal. The thread that encodes, writes and group-commits is ``writer``; the records are
-``records``; parsing and the in-doubt computation are ``reader``.
+``records``; parsing, the interrupted calls and the calls in doubt are ``reader``.
 
 Durability by policy (``JournalSettings.policy``): ALWAYS fsyncs every record, and ``intent()``
 returns after its fsync; SIDE_EFFECTS does so only for the intents of write, edit and bash, and
@@ -71,12 +71,12 @@ class Journal:
         fd: int,
         lock_fd: int,
         dir_fd: int,
-        in_doubt: list[IntentRecord],
+        interrupted: list[IntentRecord],
     ) -> None:
         self.path = path
         self._settings = settings
         self._policy = settings.policy
-        self._in_doubt = in_doubt
+        self._interrupted = interrupted
         self._open_calls: set[str] = set()
         self._closing: asyncio.Future[None] | None = None
         self._writer = JournalWriter(path, settings, fd=fd, lock_fd=lock_fd, dir_fd=dir_fd)
@@ -92,9 +92,12 @@ class Journal:
         """Lock the journal, recover it, and start its writer.
 
         Intents the previous coordinator left without an outcome are logged, exposed as
-        ``in_doubt`` (the pool then removes write/edit temp files through a worker: the
-        coordinator never touches the workspace itself) and marked as reported, so the next
-        opening lists only the calls in flight at the latest crash.
+        ``interrupted`` (the pool then removes write/edit temp files through a worker: the
+        coordinator never touches the workspace itself) and marked as reported (an
+        ``in_doubt`` record each), so the next opening lists only the calls in flight at the
+        latest crash. These are every tool's calls in flight, not the calls in doubt that
+        ``journal in-doubt`` lists and ``run --resume`` skips (``reader.call_ledger``): a
+        marked call stays in doubt there until an attempt of it ends.
         """
         loop = asyncio.get_running_loop()
         opening = loop.run_in_executor(None, _open_locked, os.fspath(path))
@@ -104,14 +107,14 @@ class Journal:
             # The thread carries on; whatever it opens must still be released.
             opening.add_done_callback(_release_abandoned)
             raise
-        pending = journal_reader.in_doubt(opened.scan, include_reported=False)
+        pending = journal_reader.interrupted(opened.scan, include_reported=False)
         journal = cls(
             opened.path,
             settings,
             fd=opened.fd,
             lock_fd=opened.lock_fd,
             dir_fd=opened.dir_fd,
-            in_doubt=pending,
+            interrupted=pending,
         )
         journal._log_opened(opened.scan)
         if pending:
@@ -142,9 +145,10 @@ class Journal:
     # -- records -----------------------------------------------------------------------------
 
     @property
-    def in_doubt(self) -> list[IntentRecord]:
-        """Intents that had no outcome when the journal was opened."""
-        return list(self._in_doubt)
+    def interrupted(self) -> list[IntentRecord]:
+        """Intents that had no outcome when the journal was opened, not reported before: the
+        calls in flight when the previous coordinator died, of any tool."""
+        return list(self._interrupted)
 
     @property
     def state(self) -> JournalState:
@@ -262,26 +266,26 @@ class Journal:
 
     def _log_opened(self, scan: JournalScan) -> None:
         logger.info(
-            "journal {} opened (policy {}): {} records, {} call(s) in doubt",
+            "journal {} opened (policy {}): {} records, {} call(s) interrupted",
             self.path,
             self._policy,
             len(scan.records),
-            len(self._in_doubt),
+            len(self._interrupted),
         )
-        for record in self._in_doubt[:20]:
+        for record in self._interrupted[:20]:
             logger.warning(
                 "journal {}: call {} ({}) was in flight when the last coordinator stopped",
                 self.path,
                 record.call_id,
                 record.tool,
             )
-        if len(self._in_doubt) > 20:
-            logger.warning("journal {}: ... and {} more", self.path, len(self._in_doubt) - 20)
+        if len(self._interrupted) > 20:
+            logger.warning("journal {}: ... and {} more", self.path, len(self._interrupted) - 20)
 
     def __repr__(self) -> str:
         return (
             f"<Journal {self.path!r} [{self.state.name.lower()} | policy {self._policy} | "
-            f"{len(self._open_calls)} open, {len(self._in_doubt)} in doubt]>"
+            f"{len(self._open_calls)} open, {len(self._interrupted)} interrupted]>"
         )
 
 
