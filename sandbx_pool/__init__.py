@@ -10,8 +10,8 @@ The package has two sides that share one installed namespace:
 * the coordinator (everything here but ``workers``): the Pool, its journal, the batch runner,
   the command line and the integrations;
 * ``sandbx_pool.workers`` (the repository's ``workers/`` folder): what runs inside the template
-  and its disposable workers. It never imports the coordinator, and the coordinator uses only
-  its contract (``protocol``, ``schemas``) and leaf helpers (``globs``, ``procfs``).
+  and its disposable workers. What each side may import of the other is stated once, in
+  ``sandbx_pool.workers``'s docstring (``COORDINATOR_MAY_IMPORT``).
 
 The public names below are loaded on first use (PEP 562), not at import: the template runs
 ``sandbx_pool.workers.template``, and importing it must not load the coordinator (asyncio,
