@@ -169,7 +169,8 @@ class SandboxSettings(_Section):
     protected: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PROTECTED))
     #: Size of each call's private TMPDIR, in MiB.
     tmp_size_mb: Annotated[int, Meta(ge=1, le=1 << 20)] = 512
-    #: Commands keep a container's default capabilities and see root's secrets (not by default).
+    #: Commands and file tools keep a container's default capabilities, commands see root's
+    #: secrets (not by default: all are capless, so file modes hold against them).
     keep_root: bool = False
 
     def user(self) -> tuple[int, int, tuple[int, ...]] | None:

@@ -46,24 +46,33 @@ def wait_until_sync(
 
 def fifo_has_reader(path: str | os.PathLike[str]) -> bool:
     """True while one of this test session's processes holds the FIFO ``path`` open, or is
-    blocked opening a FIFO (which one is not exposed by the kernel; tests use one at a time).
+    blocked opening a FIFO (which one is not exposed by the kernel; tests use one at a time)."""
+    return bool(fifo_readers(path))
+
+
+def fifo_readers(path: str | os.PathLike[str]) -> list[int]:
+    """This test session's processes that hold the FIFO ``path`` open, or are blocked opening a
+    FIFO (``fifo_has_reader``).
 
     Looked up in /proc rather than by opening the FIFO for writing: that open would complete
     a reader blocked in open(), which would then read EOF and finish instead of staying blocked.
     """
     fifo = os.stat(path)
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or not is_marked(entry):
             continue
         if _wchan(entry) == "wait_for_partner":
-            return True
+            found.append(int(entry))
+            continue
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{entry}/fd"):
                 with contextlib.suppress(OSError):
                     st = os.stat(f"/proc/{entry}/fd/{fd}")
                     if (st.st_dev, st.st_ino) == (fifo.st_dev, fifo.st_ino):
-                        return True
-    return False
+                        found.append(int(entry))
+                        break
+    return found
 
 
 def alive(pid: int) -> bool:

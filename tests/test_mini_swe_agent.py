@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import subprocess
+import sys
+import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,13 +19,14 @@ os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
 pytest.importorskip("minisweagent", reason="needs the 'mini-swe-agent' extra")
 
 from conftest import MARKER
-from helpers import pids_with, tagged_sleep, unique_tag
+from helpers import pids_with, tagged_sleep, unique_tag, wait_until_sync
 from minisweagent.agents.default import DefaultAgent
 from minisweagent.environments import get_environment
 from minisweagent.exceptions import Submitted
 from minisweagent.models.test_models import DeterministicModel, make_output
 
 from sandbx_pool.integrations.mini_swe_agent import SUBMIT_SENTINEL, SandbxEnvironment
+from sandbx_pool.runtime_dir import owner_tag, runtime_root
 
 DOTTED = "sandbx_pool.integrations.mini_swe_agent.SandbxEnvironment"
 
@@ -107,6 +113,90 @@ def test_close_leaves_nothing_and_is_idempotent(workspace: Path) -> None:
     environment.close()
     environment.close()
     assert not environment._thread.is_alive()
+
+
+def _children() -> set[int]:
+    """This test process's live children (the pool's template among them, while it runs)."""
+    found: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            found.update(int(pid) for pid in f.read().split())
+    return {pid for pid in found if os.path.exists(f"/proc/{pid}")}
+
+
+def _our_temp_dirs() -> set[str]:
+    """What this process's pools made under the runtime root and the temp directory (their
+    socket, TMPDIR and lock directories are named after their owner)."""
+    return {
+        os.path.join(root, name)
+        for root in (runtime_root(), tempfile.gettempdir())
+        for name in os.listdir(root)
+        if owner_tag() in name
+    }
+
+
+def _run_one_and_drop(workspace: Path, tmp_path: Path, drop: str) -> None:
+    environment: list[SandbxEnvironment] = [make_env(workspace, tmp_path)]
+    assert environment[0].execute({"command": "echo hi"})["output"] == "hi\n"
+    assert _children()  # the pool's template
+    if drop == "main thread":
+        environment.clear()
+        return
+    # The last reference dropped on another thread: the collector's finalizer runs there.
+    dropper = threading.Thread(target=environment.clear, name="dropper")
+    dropper.start()
+    dropper.join()
+
+
+@pytest.mark.parametrize("drop", ["main thread", "another thread"])
+def test_a_dropped_environment_leaves_nothing_once_collected(
+    workspace: Path, tmp_path: Path, drop: str
+) -> None:
+    threads, children, temp_dirs = set(threading.enumerate()), _children(), _our_temp_dirs()
+    _run_one_and_drop(workspace, tmp_path, drop)
+    gc.collect()
+    wait_until_sync(
+        lambda: set(threading.enumerate()) == threads,
+        within_s=10,
+        what=f"the environment's threads gone ({threading.enumerate()})",
+    )
+    wait_until_sync(lambda: _children() == children, what="the pool's processes gone")
+    wait_until_sync(lambda: _our_temp_dirs() == temp_dirs, what="the pool's directories gone")
+
+
+_NEVER_CLOSED = """
+import json, os, sys, tempfile
+from sandbx_pool.integrations.mini_swe_agent import SandbxEnvironment
+from sandbx_pool.runtime_dir import owner_tag, runtime_root
+environment = SandbxEnvironment(cwd=sys.argv[1], journal=sys.argv[2], env=json.loads(sys.argv[3]))
+assert environment.execute({"command": "echo hi"})["output"] == "hi\\n"
+roots = (runtime_root(), tempfile.gettempdir())
+print(json.dumps([os.path.join(r, n) for r in roots for n in os.listdir(r) if owner_tag() in n]))
+"""
+
+
+def test_an_environment_never_closed_is_released_at_exit(workspace: Path, tmp_path: Path) -> None:
+    # Held to the end: the exit, not the collector, releases it, and without an error.
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _NEVER_CLOSED,
+            str(workspace),
+            str(tmp_path / "journal.jsonl"),
+            json.dumps({MARKER: os.environ[MARKER]}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "MSWEA_SILENT_STARTUP": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    made = json.loads(done.stdout)
+    assert made  # its socket, TMPDIR and lock directories
+    assert not [path for path in made if os.path.exists(path)]
 
 
 def test_output_is_merged_in_order_and_kept_past_a_timeout(env: SandbxEnvironment) -> None:

@@ -2,7 +2,7 @@
 
 Installed as ``sandbx_pool.workers`` (the repository keeps it as the top-level ``workers/``
 folder, mapped by pyproject.toml's ``package-dir``). The boundary between the two sides is the
-rule below, stated here and nowhere else, and checked by tests/test_layout.py: nothing here
+rule below, stated here and nowhere else, and checked by tests/test_layering.py: nothing here
 imports the coordinator; the coordinator imports from here only ``COORDINATOR_MAY_IMPORT``,
 the contract (``protocol``, the messages; ``schemas``, the tools' arguments; ``errors``, the
 tools' failures) and leaf helpers that import nothing else of the package's; ``doctor``, the
@@ -16,6 +16,8 @@ are loaded by the template process alone.
 """
 
 #: What any coordinator module may import from this package (see above).
-COORDINATOR_MAY_IMPORT = frozenset({"protocol", "schemas", "errors", "globs", "procfs", "_libc"})
+COORDINATOR_MAY_IMPORT = frozenset(
+    {"protocol", "schemas", "errors", "globs", "procfs", "_libc", "rg_binary"}
+)
 #: What ``sandbx_pool.cli.doctor`` may import besides: the probes of what the kernel gives.
 DOCTOR_MAY_IMPORT = frozenset({"cgroups", "immortal", "landlock", "lockdown", "seccomp", "zmtp"})

@@ -56,8 +56,9 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     protected: tuple[str, ...] = ()
     #: Size of the call's private TMPDIR (a tmpfs of its own where the worker may mount one).
     tmp_size_mb: int = 512
-    #: bash keeps a container's default capabilities and sees root's secrets (False: none, and
-    #: masked): for users who need the host's root, such as Inspect's local-provider view.
+    #: bash and the file tools keep a container's default capabilities, bash sees root's
+    #: secrets (False: no capability, and masked): for users who need the host's root, such as
+    #: Inspect's local-provider view.
     keep_root: bool = False
     #: The pool's directory of write locks (workers.tools.atomic), out of every call's reach:
     #: the file tools' Landlock rules grant it, bash's never do. None: lock the directory.

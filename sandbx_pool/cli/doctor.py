@@ -27,7 +27,7 @@ import msgspec
 
 from sandbx_pool.interpreter import CHILD_CWD, PACKAGE_PARENT, python_command
 from sandbx_pool.workers import _libc, cgroups, immortal, landlock, lockdown, seccomp
-from sandbx_pool.workers.tools.ripgrep import find_rg, symlinks_refused
+from sandbx_pool.workers.rg_binary import find_rg, symlinks_refused
 
 
 class Check(msgspec.Struct, frozen=True):

@@ -8,7 +8,9 @@ Select it by dotted path, with no change to mini-swe-agent::
       timeout: 60
 
 mini-swe-agent is synchronous; the Pool is asyncio. The environment therefore owns a private
-event loop on a thread of its own, started with the environment and stopped by ``close()``:
+event loop on a thread of its own, started with the environment and stopped by ``close()``, or,
+for an environment dropped without it (mini-swe-agent's own scripts never call it), when the
+collector takes the environment (at interpreter exit, the pool's own finalizer releases it):
 
     agent thread --execute(action)--> run_coroutine_threadsafe(pool.call("bash", ...))
                                            |
@@ -28,10 +30,12 @@ Both protocols are accepted, told apart by the action's type:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import platform
 import subprocess
 import threading
+import weakref
 from typing import Any
 
 from minisweagent.exceptions import Submitted
@@ -70,19 +74,33 @@ class SandbxEnvironment:
         # A daemon, so that an environment nobody closed cannot keep the interpreter alive;
         # its workers die with us anyway (the template's parent-death signal).
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="sandbx-mini-swe-agent", daemon=True
+            target=_serve, args=(self._loop,), name="sandbx-mini-swe-agent", daemon=True
         )
         self._thread.start()
-        self.pool = Pool(
-            self.workspace,
-            workers=self.config.workers,
-            journal=self.config.journal,
-            config=self.config.pool_config,
+        try:
+            self.pool = Pool(
+                self.workspace,
+                workers=self.config.workers,
+                journal=self.config.journal,
+                config=self.config.pool_config,
+            )
+        except BaseException:
+            _stop_loop(self._loop, self._thread)
+            raise
+        # What close() does, done by the collector if close() never runs. It holds the loop,
+        # its thread and the pool, never the environment: that would keep it alive.
+        self._dropped = weakref.finalize(
+            self, _release_dropped, self._loop, self._thread, self.pool
         )
+        # Not at exit: by then no executor takes work (concurrent.futures shut them down
+        # first), which closing the pool needs. The pool's own finalizer releases it then, and
+        # the loop's thread, a daemon, ends with the interpreter.
+        self._dropped.atexit = False
         try:
             self._run(self.pool.start())
         except BaseException:
-            self._stop_loop()
+            with contextlib.suppress(Exception):  # the start's failure is the one to report
+                self.close()
             raise
 
     # -- mini-swe-agent's Environment protocol -----------------------------------------------
@@ -122,12 +140,8 @@ class SandbxEnvironment:
 
     def close(self) -> None:
         """Close the pool (no worker outlives it) and stop the loop thread. Idempotent."""
-        if self._loop.is_closed():
-            return
-        try:
-            self._run(self.pool.close(), timeout=CLOSE_TIMEOUT_S)
-        finally:
-            self._stop_loop()
+        if self._dropped.detach() is not None:  # None: closed already
+            _close(self._loop, self._thread, self.pool)
 
     cleanup = close  # the name mini-swe-agent's container environments use
 
@@ -204,10 +218,57 @@ class SandbxEnvironment:
     def _run(self, coroutine: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop thread: the environment's loop, until stopped; then closed, by its own thread
+    (an environment dropped from another thread is stopped without being waited for)."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def _close(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool: Pool) -> None:
+    """Close ``pool`` on ``loop`` and wait for it (bounded), then stop the loop and its thread."""
+    try:
+        asyncio.run_coroutine_threadsafe(pool.close(), loop).result(CLOSE_TIMEOUT_S)
+    finally:
+        _stop_loop(loop, thread)
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+
+
+#: The closing of dropped environments' pools, held until done (a loop keeps only weak
+#: references to its tasks).
+_closing: set[asyncio.Task[None]] = set()
+
+
+def _release_dropped(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool: Pool) -> None:
+    """An environment nobody closed, collected: close its pool and stop its loop, once.
+
+    On the main thread (a ``del`` there) this waits, as close() does. Elsewhere it must not: a
+    collection can run on any thread, the loop's own included, or a thread the pool's close
+    waits for (the journal writer's). There the loop is asked to close the pool and then stop,
+    and its thread ends by itself.
+    """
+    if threading.current_thread() is threading.main_thread():
+        _close(loop, thread, pool)
+        return
+
+    def stop(closed: asyncio.Task[None]) -> None:
+        _closing.discard(closed)
+        loop.stop()
+
+    def close_then_stop() -> None:
+        task = loop.create_task(pool.close())
+        _closing.add(task)
+        task.add_done_callback(stop)
+
+    with contextlib.suppress(RuntimeError):  # the loop already closed: nothing to stop
+        loop.call_soon_threadsafe(close_then_stop)
 
 
 def _output(value: dict[str, Any] | None) -> str:

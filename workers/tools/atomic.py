@@ -144,11 +144,10 @@ def replace_in(dir_fd: int, name: str, data: bytes, display: str) -> bool:
     try:
         try:
             if old is not None:
-                # The umask must not narrow an existing file's mode; keep its owner if we may.
+                # The umask must not narrow an existing file's mode, nor the rename change its
+                # owner (_keep_owner).
                 os.fchmod(fd, stat.S_IMODE(old.st_mode))
-                if (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
-                    with contextlib.suppress(PermissionError):
-                        os.fchown(fd, old.st_uid, old.st_gid)
+                _keep_owner(fd, old, display)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
@@ -164,6 +163,29 @@ def replace_in(dir_fd: int, name: str, data: bytes, display: str) -> bool:
         _discard(dir_fd, temp)
         raise
     return old is None
+
+
+def _keep_owner(fd: int, old: os.stat_result, display: str) -> None:
+    """Give the temp ``fd`` the owner and group of the file it replaces, or refuse the write.
+
+    The temp is made by the writer, so it is the writer's; giving it to another uid (or a group
+    the writer is not in) takes CAP_CHOWN, which a worker holds only with ``keep_root`` (a root
+    pool's file tools are capless, as its commands are: workers.sandbox), and never in a pool
+    not run as root. Replacing the file all the same would hand another user's file to the
+    writer, silently: refused instead (``EPERM``), before anything changed. bash, which writes
+    in place, keeps the owner; nothing can keep it and stay atomic.
+    """
+    made = os.fstat(fd)
+    if (old.st_uid, old.st_gid) == (made.st_uid, made.st_gid):
+        return
+    try:
+        os.fchown(fd, old.st_uid, old.st_gid)
+    except PermissionError:
+        raise ToolError(
+            f"{display}: cannot replace it and keep its owner (uid {old.st_uid}, gid "
+            f"{old.st_gid}): the writer (uid {made.st_uid}) may not give a file away",
+            code="EPERM",
+        ) from None
 
 
 def _discard(dir_fd: int, name: str) -> None:

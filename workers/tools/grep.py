@@ -27,6 +27,7 @@ from typing import Any
 from sandbx_pool.workers.errors import ToolError
 from sandbx_pool.workers.paths import real_workspace, relative_to_workspace, resolve
 from sandbx_pool.workers.protocol import ExecutionContext
+from sandbx_pool.workers.rg_binary import find_rg, symlinks_refused
 from sandbx_pool.workers.schemas import GrepArgs
 from sandbx_pool.workers.tools.files import (
     SNIFF_BYTES,
@@ -41,10 +42,8 @@ from sandbx_pool.workers.tools.ripgrep import (
     RgFailed,
     RgRefused,
     context_sizes,
-    find_rg,
     rg_argv,
     run_rg,
-    symlinks_refused,
     type_globs,
 )
 from sandbx_pool.workers.tools.search import Root, TreeWalk, is_regular

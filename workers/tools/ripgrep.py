@@ -10,11 +10,12 @@ Why rg: the Python loop over every line costs 9x to 22x rg's time (issue 12's fi
 searches a file at memory speed, on every core. It is a program, so grep gets bash's
 confinement (workers.schemas.RUNS_PROGRAMS), and one more step: rg walks by path, so the
 worker's mount namespace binds the workspace with symlinks refused (workers.sandbox), and rg
-runs only where ``symlinks_refused`` confirms that bind holds. Elsewhere grep walks by
-descriptor in Python (workers.tools.grep).
+runs only where ``symlinks_refused`` (workers.rg_binary) confirms that bind holds. Elsewhere
+grep walks by descriptor in Python (workers.tools.grep).
 
 Where the binary comes from: the ``ripgrep`` wheel, a core dependency, installs ``rg`` next to
-the interpreter (the virtual environment's bin, which Landlock lets a call execute).
+the interpreter (the virtual environment's bin, which Landlock lets a call execute), where
+``find_rg`` (workers.rg_binary, which the doctor asks too) looks first.
 
 The options that make rg's answer grep's: ``--no-config`` (no RIPGREP_CONFIG_PATH from the
 call's environment), ``--no-require-git`` (a .gitignore counts outside a repository too, as it
@@ -35,13 +36,10 @@ import collections
 import contextlib
 import os
 import subprocess
-import sys
-import sysconfig
 from typing import Any
 
 import msgspec
 
-from sandbx_pool.workers import _libc
 from sandbx_pool.workers.tools.files import printable
 from sandbx_pool.workers.tools.results import Collector
 
@@ -50,26 +48,6 @@ MAX_THREADS = 8
 
 #: Bytes asked of rg's stdout per read.
 _READ_BYTES = 256 * 1024
-
-
-def find_rg(env: dict[str, str]) -> str | None:
-    """The rg binary: next to this interpreter (the ``ripgrep`` wheel's), else on the call's
-    PATH (which its Landlock rules let it execute), else None."""
-    candidates = [os.path.dirname(sys.executable), sysconfig.get_path("scripts")]
-    candidates += [d for d in env.get("PATH", "").split(":") if d.startswith("/")]
-    for directory in candidates:
-        path = os.path.join(directory, "rg")
-        if os.access(path, os.X_OK):
-            return path
-    return None
-
-
-def symlinks_refused(path: str) -> bool:
-    """Whether the kernel follows no symlink on the mount holding ``path`` (see workers.sandbox)."""
-    try:
-        return bool(os.statvfs(path).f_flag & _libc.ST_NOSYMFOLLOW)
-    except OSError:
-        return False
 
 
 class RgText(msgspec.Struct):
