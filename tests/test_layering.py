@@ -10,6 +10,7 @@ dependency is not installed is skipped there, as its users would never import it
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 import sandbx_pool
+import sandbx_pool.workers as workers_package
 from sandbx_pool.interpreter import PACKAGE_PARENT
 
 #: Imports each module named in argv, then prints which of them first brought a tool module
@@ -78,3 +80,80 @@ def test_no_coordinator_module_imports_a_tool() -> None:
     assert found["tools"] == [], f"{found['first']} imports the tools: {found['tools']}"
     # The optional integrations are installed here: the check covered them too.
     assert found["skipped"] == [], found["skipped"]
+
+
+# -- the boundary, read from the source: what each side imports of the other -------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in it (inside functions too), by full name."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            found.add(node.module)
+            # ``from sandbx_pool.workers import landlock`` imports the module landlock.
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _worker_side_modules(imported: set[str]) -> set[str]:
+    """The worker-side modules among ``imported``, by their name inside the package."""
+    prefix = "sandbx_pool.workers."
+    return {
+        name[len(prefix) :].split(".")[0]
+        for name in imported
+        if name.startswith(prefix) and name[len(prefix) :].split(".")[0] in WORKER_MODULES
+    }
+
+
+WORKER_MODULES = {p.stem if p.is_file() else p.name for p in (REPO / "workers").iterdir()} - {
+    "__init__",
+    "__pycache__",
+    "py",  # py.typed
+}
+
+
+def test_the_coordinator_imports_of_the_worker_side_only_what_the_rule_allows() -> None:
+    allowed = workers_package.COORDINATOR_MAY_IMPORT
+    broken = {}
+    for path in sorted((REPO / "sandbx_pool").rglob("*.py")):
+        used = _worker_side_modules(_imported_modules(path))
+        extra = used - allowed
+        if path == REPO / "sandbx_pool" / "cli" / "doctor.py":
+            extra -= workers_package.DOCTOR_MAY_IMPORT
+        if extra:
+            broken[str(path.relative_to(REPO))] = sorted(extra)
+    assert broken == {}, (
+        f"coordinator modules import more of the worker side than allowed: {broken}"
+    )
+
+
+def test_the_allowed_helpers_are_leaves() -> None:
+    # A helper the coordinator may import brings in nothing of the worker machinery with it.
+    allowed = workers_package.COORDINATOR_MAY_IMPORT
+    for name in sorted(allowed):
+        used = _worker_side_modules(_imported_modules(REPO / "workers" / f"{name}.py"))
+        assert used <= allowed, f"workers/{name}.py imports {sorted(used - allowed)}"
+
+
+def test_the_worker_side_never_imports_the_coordinator() -> None:
+    for path in sorted((REPO / "workers").rglob("*.py")):
+        coordinator = {
+            name
+            for name in _imported_modules(path)
+            if name.split(".")[0] == "sandbx_pool"
+            and not name.startswith("sandbx_pool.workers")
+            and name != "sandbx_pool"
+        }
+        assert coordinator == set(), f"{path.relative_to(REPO)} imports {sorted(coordinator)}"
+
+
+def test_the_rule_is_stated_once() -> None:
+    # The package docstrings point at the rule; only sandbx_pool.workers states it.
+    assert "COORDINATOR_MAY_IMPORT" in (workers_package.__doc__ or "")
+    assert "COORDINATOR_MAY_IMPORT" in (sandbx_pool.__doc__ or "")
