@@ -16,7 +16,7 @@
 
 Actors:
 
-* ``TemplateProcess`` forks workers ahead of demand (``prefork``) and reports their exits.
+* ``TemplateHandle`` forks workers ahead of demand (``prefork``) and reports their exits.
 * The ``Inbox`` (the ROUTER socket, read on the loop): ``Ready`` makes a worker idle,
   ``Result`` completes its call. A message from anyone but the worker a call was dispatched to
   is dropped: a Ready must come from the pid the template forked for its token, a Result must
@@ -52,7 +52,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool import confine, descriptors
+from sandbx_pool import descriptors, lexical_paths
 from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
@@ -77,7 +77,7 @@ from sandbx_pool.runtime_dir import (
     make_tmp_root,
     parent_pid,
 )
-from sandbx_pool.template import TemplateProcess
+from sandbx_pool.template_handle import TemplateHandle
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
 from sandbx_pool.worker_set import WorkerSet
 from sandbx_pool.workers.protocol import (
@@ -131,7 +131,7 @@ class Pool:
         self.journal: Journal | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runtime_dir: str | None = None
-        self._template: TemplateProcess | None = None
+        self._template: TemplateHandle | None = None
         self._workers = WorkerSet(
             max_workers=self.max_workers,
             prefork=self.prefork,
@@ -198,7 +198,7 @@ class Pool:
             self._remains.zmq_sockets = self._inbox.sockets
             self._remains.loop = self._loop
             self._remains.reader_fds = self._inbox.watched_fds()
-            self._template = TemplateProcess(
+            self._template = TemplateHandle(
                 endpoint,
                 self._on_template,
                 self._on_template_lost,
@@ -412,11 +412,11 @@ class Pool:
         workspace = base if call.view is None else "/"
         try:
             if call.view is not None:
-                confine.check_view(base, call.view)
-            call_cwd = confine.resolve_cwd(workspace, call.cwd)
+                lexical_paths.check_view(base, call.view)
+            call_cwd = lexical_paths.resolve_cwd(workspace, call.cwd)
         except ValueError as exc:
             return call.outcome(Status.DENIED, error=str(exc))
-        denial = confine.denial(workspace, call_cwd, args) or self._gate.denial(
+        denial = lexical_paths.denial(workspace, call_cwd, args) or self._gate.denial(
             call.tool, args, workspace=workspace, cwd=call_cwd
         )
         if denial is not None:

@@ -4,7 +4,7 @@ The template is an interpreter that imports the whole worker side (about 0.1 s) 
 fork a worker. A pool that serves thousands of calls pays that once; a one-shot ``sandbx-pool
 call`` pays it on every run, after its own imports. Nothing the template does until it forks
 needs the pool: it learns where workers connect (``Attach``) in its first message. So the
-command line launches it first thing (``prelaunch``), and the pool's ``TemplateProcess`` adopts
+command line launches it first thing (``prelaunch``), and the pool's ``TemplateHandle`` adopts
 it (``take_prelaunched``): both interpreters then import at once, on two cores.
 
 This module imports the standard library only, so that launching costs nothing the coordinator's

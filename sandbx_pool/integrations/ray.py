@@ -11,12 +11,13 @@
 
 Actors:
 
-* ``NodePool``: a long-lived actor per node that owns the node's ``Pool`` (started on its first
-  call, journal off: whoever drives the calls journals them). ``node_pool()`` returns the
-  handle of this node's actor, creating it if missing, so every rollout worker or task on a
-  node shares one pool. ``handle.call.remote(...)`` returns the ``Outcome``; ``ray.cancel`` of
-  that ref raises CancelledError inside the actor's coroutine, which kills the call's process
-  group on the node (Pool.call's task cancel).
+* ``NodePool`` (integrations.ray_node, re-exported here with ``node_pool`` and
+  ``shutdown_node_pools``): a long-lived actor per node that owns the node's ``Pool`` (started
+  on its first call, journal off: whoever drives the calls journals them). ``node_pool()``
+  returns the handle of this node's actor, creating it if missing, so every rollout worker or
+  task on a node shares one pool. ``handle.call.remote(...)`` returns the ``Outcome``;
+  ``ray.cancel`` of that ref raises CancelledError inside the actor's coroutine, which kills
+  the call's process group on the node (Pool.call's task cancel).
 * ``RayPool``: the driver's side. A cancel (token or task) is sent to the node as
   ``cancel(ticket)`` rather than ``ray.cancel``: the actor's ``call`` then *returns* the
   cancelled outcome (a ray.cancel'ed ref has none to give), which the driver journals.
@@ -32,7 +33,6 @@ storage every node sees.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import itertools
 import os
@@ -47,16 +47,13 @@ import msgspec
 from sandbx_pool.call_life import CallLife, attend, token_subscription
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import Config, load_config
-from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost
+from sandbx_pool.errors import PoolClosed, PoolNotStarted
+from sandbx_pool.integrations.ray_node import import_ray, node_pool, shutdown_node_pools
 from sandbx_pool.journal.records import NODE_LOST
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
-from sandbx_pool.pool import Pool, check_call_arguments
-
-#: Ray namespace of the node actors: every driver of the cluster finds the same ones.
-NAMESPACE: Final = "sandbx-pool"
-ACTOR_PREFIX: Final = "sandbx-pool:"
+from sandbx_pool.pool import check_call_arguments
 
 #: After a cancel is sent, how long the driver waits for the node's cancelled outcome before it
 #: gives up on the node (ray.cancel, then a ``cancelled`` outcome of its own). The node answers
@@ -66,151 +63,6 @@ CANCEL_ANSWER_S: Final = 5.0
 
 #: How long a list of the cluster's live nodes is trusted when a new workspace is placed.
 NODES_TTL_S: Final = 1.0
-
-#: Cancels that reached a node before their call did (kept so the call is refused on arrival).
-EARLY_CANCELS_KEPT: Final = 4096
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise ImportError(
-            "sandbx_pool.integrations.ray needs Ray: pip install 'sandbx-pool[ray]'"
-        ) from exc
-    return ray
-
-
-# -- the node's side -----------------------------------------------------------------------
-
-
-class NodePool:
-    """The actor that owns one node's Pool (made a Ray actor by ``node_pool``)."""
-
-    def __init__(self, node_id: str, config: Config, workers: int | None) -> None:
-        self.node_id = node_id
-        # The node's pool journals nothing: its callers do (RayPool), or choose not to.
-        self._config = config.override(journal={"policy": "off"})
-        self._workers = workers
-        self._pool: Pool | None = None
-        self._starting = asyncio.Lock()
-        self._tokens: dict[str, CancelToken] = {}
-        self._early: dict[str, str | None] = {}
-
-    async def _open_pool(self) -> Pool:
-        async with self._starting:
-            if self._pool is None:
-                # Its own workspace is never used: every call names one (an absolute path).
-                pool = Pool("/", workers=self._workers, config=self._config)
-                await pool.start()
-                self._pool = pool
-            return self._pool
-
-    async def call(
-        self,
-        tool: str,
-        args: dict[str, Any],
-        *,
-        workspace: str,
-        timeout: float | None = None,  # noqa: ASYNC109 (Pool.call's name: a kill deadline)
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        ticket: str | None = None,
-    ) -> Outcome:
-        """Run one call on this node, confined to ``workspace`` (an absolute path here)."""
-        pool = await self._open_pool()
-        token = CancelToken()
-        if ticket is not None:
-            self._tokens[ticket] = token
-            if ticket in self._early:
-                token.cancel(self._early.pop(ticket))
-        try:
-            outcome = await pool.call(
-                tool, args, workspace=workspace, timeout=timeout, cwd=cwd, env=env, cancel=token
-            )
-        except TemplateLost:
-            # The node's pool is broken for good: the next call opens a new one.
-            self._pool = None
-            await pool.close()
-            raise
-        finally:
-            if ticket is not None:
-                self._tokens.pop(ticket, None)
-        return msgspec.structs.replace(outcome, node=self.node_id)
-
-    def cancel(self, ticket: str, reason: str | None = None) -> None:
-        """Kill the call of ``ticket`` (its ``call`` then returns the cancelled outcome)."""
-        token = self._tokens.get(ticket)
-        if token is not None:
-            token.cancel(reason)
-            return
-        if len(self._early) >= EARLY_CANCELS_KEPT:
-            self._early.pop(next(iter(self._early)))
-        self._early[ticket] = reason
-
-    def info(self) -> dict[str, Any]:
-        pool = self._pool
-        return {
-            "node": self.node_id,
-            "pid": os.getpid(),
-            "workers": pool.max_workers if pool is not None else None,
-            "running": len(pool.running()) if pool is not None else 0,
-        }
-
-    async def close(self) -> None:
-        """Close the node's pool (the actor stays; its next call opens a new one)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.close()
-
-
-_actor_class: Any = None
-
-
-def node_pool(
-    node_id: str | None = None,
-    *,
-    workers_per_node: int | None = None,
-    config: Config | None = None,
-) -> Any:
-    """The handle of ``node_id``'s pool actor (default: this node's), created if missing.
-
-    The first caller's ``workers_per_node`` and ``config`` make the actor; later callers share
-    it as it is. ``ray.get(handle.call.remote(tool, args, workspace=ABS, timeout=...))`` returns
-    the Outcome; ``ray.cancel(ref)`` kills the call (its process group, on the node).
-    """
-    global _actor_class
-    ray = _ray()
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node = node_id or ray.get_runtime_context().get_node_id()
-    if _actor_class is None:
-        _actor_class = ray.remote(NodePool)
-    return _actor_class.options(
-        name=ACTOR_PREFIX + node,
-        namespace=NAMESPACE,
-        lifetime="detached",  # long-lived: shared by every task and driver of the node
-        get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        num_cpus=0,  # a coordinator on the loop; the workers are its own processes
-        max_restarts=0,
-    ).remote(node, config if config is not None else Config(), workers_per_node)
-
-
-def shutdown_node_pools() -> int:
-    """Kill every node's pool actor of the cluster (their workers go with them). Returns how
-    many were killed."""
-    ray = _ray()
-    killed = 0
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        with contextlib.suppress(ValueError):  # no actor on that node
-            handle = ray.get_actor(ACTOR_PREFIX + node["NodeID"], namespace=NAMESPACE)
-            ray.kill(handle, no_restart=True)
-            killed += 1
-    return killed
-
 
 # -- the driver's side ---------------------------------------------------------------------
 
@@ -328,7 +180,7 @@ class RayPool:
     async def start(self) -> None:
         if self.state is not RayPoolState.NEW:
             raise PoolClosed("a pool is started once")
-        ray = _ray()
+        ray = import_ray()
         if not ray.is_initialized():
             ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
             self._started_ray = True
@@ -352,7 +204,7 @@ class RayPool:
         if self.journal is not None:
             await self.journal.close()
         if self._started_ray:
-            _ray().shutdown()
+            import_ray().shutdown()
         self.state = RayPoolState.CLOSED
 
     def kill_now(self) -> None:
@@ -430,7 +282,7 @@ class RayPool:
         return msgspec.structs.replace(outcome, duration_s=time.monotonic() - flight.started_at)
 
     async def _on_node(self, flight: _Flight) -> Outcome:
-        ray = _ray()
+        ray = import_ray()
         call_id, node = flight.call_id, flight.node
         tool, args, path, timeout, cwd, env = flight.call
         ref = flight.handle.call.remote(
@@ -467,7 +319,7 @@ class RayPool:
         return self._failed(call_id, tool, node, value)
 
     def _failed(self, call_id: str, tool: str, node: str, exc: BaseException) -> Outcome:
-        ray = _ray()
+        ray = import_ray()
         if isinstance(exc, ray.exceptions.RayTaskError):
             # The node's Pool raised (misuse is checked here first; this is its infrastructure).
             return Outcome(
@@ -505,7 +357,7 @@ class RayPool:
             return
         live = {
             node["NodeID"]: float(node.get("Resources", {}).get("CPU", 0.0))
-            for node in _ray().nodes()
+            for node in import_ray().nodes()
             if node.get("Alive") and node.get("Resources", {}).get("CPU", 0.0) > 0
         }
         for gone in set(self._live) - set(live):
@@ -529,7 +381,7 @@ class RayPool:
 
 async def _settle(ref: Any) -> Outcome | BaseException:
     """The node's answer: its Outcome, or the Ray error that stands for it."""
-    ray = _ray()
+    ray = import_ray()
     try:
         value = await ref
     except ray.exceptions.RayError as exc:
@@ -538,3 +390,6 @@ async def _settle(ref: Any) -> Outcome | BaseException:
     if not isinstance(value, Outcome):
         return TypeError(f"the node answered {type(value).__name__}, not an Outcome")
     return value
+
+
+__all__ = ["Placement", "RayPool", "RayPoolState", "node_pool", "shutdown_node_pools"]

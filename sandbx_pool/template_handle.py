@@ -33,7 +33,7 @@ from sandbx_pool.workers.protocol import (
 START_TIMEOUT_S = 30.0
 
 
-class TemplateProcess:
+class TemplateHandle:
     def __init__(
         self,
         endpoint: str,
