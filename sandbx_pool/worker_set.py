@@ -223,7 +223,7 @@ class WorkerSet:
     def release(self, worker: Worker) -> list[Action]:
         """The call ``worker`` served is over (answered, killed or quarantined)."""
         worker.call = None
-        if not self._owns_pid(worker):  # reaped: its call's Result can no longer come
+        if not self._owns_pid(worker):  # reaped mid-call (on_exited kept it findable): forget it
             self.by_token.pop(worker.token, None)
         self.busy -= 1
         return [*self._assign(), *self._replenish()]
