@@ -25,9 +25,10 @@ Actors:
 * Each call runs in its own driver task, so that cancelling the caller's task only *requests*
   the kill: the driver finishes the cleanup (shielded) and the caller gets its CancelledError
   back afterwards.
-
-Scheduling decisions (which call gets which worker, how many to fork) are synchronous methods
-that update state; the I/O follows them.
+* The ``WorkerSet`` (worker_set.py) schedules: which call gets which worker, how many to fork,
+  what each Ready and template message means. Its methods only decide: they update its state
+  and return the actions to take (fork, assign, fail a call, watch a pid, signal a group, look
+  again later; scheduling_actions.py), and ``Pool._act`` performs them, in order, at once.
 
 No single call, argument or fault ends the pool: a call is encoded (and refused if it cannot
 be) before a worker is taken (execution.encode_call); workers are forked only while the
@@ -77,8 +78,19 @@ from sandbx_pool.runtime_dir import (
     make_tmp_root,
     parent_pid,
 )
+from sandbx_pool.scheduling_actions import (
+    Action,
+    Assign,
+    CancelRetry,
+    Fail,
+    Fork,
+    Gone,
+    RetryAfter,
+    Signal,
+    Watch,
+)
 from sandbx_pool.template_handle import TemplateHandle
-from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck
+from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck, signal_worker
 from sandbx_pool.worker_set import WorkerSet
 from sandbx_pool.workers.protocol import (
     ExecutionContext,
@@ -133,11 +145,10 @@ class Pool:
         self._runtime_dir: str | None = None
         self._template: TemplateHandle | None = None
         self._workers = WorkerSet(
-            max_workers=self.max_workers,
-            prefork=self.prefork,
-            spawn=self._spawn,
-            room=descriptors.Budget(),
+            max_workers=self.max_workers, prefork=self.prefork, room=descriptors.Budget()
         )
+        #: The WorkerSet's outstanding RetryAfter (_act).
+        self._retry: asyncio.TimerHandle | None = None
         self._inbox = Inbox(self._workers.get, self._on_ready, self._is_worker)
         self._calls: dict[str, CallState] = {}
         self._drivers: set[asyncio.Task[Outcome]] = set()
@@ -221,7 +232,7 @@ class Pool:
             raise PoolClosed("the pool was closed while it was starting")
         self.state = PoolState.OPEN
         self._workers.forking = True
-        self._workers.replenish()
+        self._act(self._workers.replenish())
         await self._remove_leftovers()
 
     def admit(self, calls: int) -> None:
@@ -230,7 +241,7 @@ class Pool:
         For a caller whose own concurrency is known only once it runs (an Inspect eval's
         samples): its calls must not queue behind a pool sized for fewer."""
         self.max_workers = max(self.max_workers, calls)
-        self._workers.widen(self.max_workers)
+        self._act(self._workers.widen(self.max_workers))
 
     def _hide_journal(self, path: str) -> None:
         """Out of every call's reach, wherever it lies: `run --journal run.jsonl` in the
@@ -312,8 +323,8 @@ class Pool:
 
     async def _teardown(self) -> None:
         self._workers.forking = False
-        self._workers.stop_retrying()
-        self._workers.kill_all()
+        self._act(self._workers.stop_retrying())
+        self._act(self._workers.kill_all())
         if self._template is not None:
             await self._template.close()
         self._inbox.close()
@@ -448,34 +459,61 @@ class Pool:
             worker.signal_group(signal.SIGKILL)
             raise
         finally:
-            self._workers.release(worker)
+            self._act(self._workers.release(worker))
 
-    # -- workers: scheduling (synchronous decisions) -------------------------------------------
+    # -- workers: scheduling (the WorkerSet decides, _act does) ---------------------------------
 
     async def _acquire(self, call: CallState) -> Worker | None:
         """Wait for an idle worker and a free slot; None if the call was killed meanwhile.
         Raises WorkersFailToStart when the workers forked for it kept failing."""
         if call.killer is not None:
             return None
-        self._workers.enqueue(call)
+        self._act(self._workers.enqueue(call))
         if not call.assigned.done():  # else an idle worker took it: no turn of the loop to wait
             either: set[asyncio.Future[Any]] = {call.assigned, call.kill_requested}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if call.killer is None:
             return call.assigned.result()
-        self._workers.withdraw(call)
+        assigned = call.assigned
+        given = assigned.result() if assigned.done() and assigned.exception() is None else None
+        self._act(self._workers.withdraw(call, given))
         return None
 
-    # -- events from the workers and the template ----------------------------------------------
+    def _act(self, actions: list[Action]) -> None:
+        """Do what the WorkerSet decided, in its order (worker_set.py)."""
+        for action in actions:
+            match action:
+                case Fork(count):
+                    if self._template is not None:
+                        self._template.spawn(count)
+                case Assign(call, worker):
+                    call.assigned.set_result(worker)
+                case Fail(call, error):
+                    call.assigned.set_exception(error)
+                case Watch(worker, pid):
+                    worker.watch(pid)
+                case Signal(pid, signum, starting):
+                    signal_worker(pid, signum, starting=starting)
+                case Gone(worker, returncode):
+                    worker.mark_exited(returncode)
+                case RetryAfter(seconds):
+                    loop = asyncio.get_running_loop()
+                    self._retry = loop.call_later(seconds, self._retry_now)
+                case CancelRetry():
+                    if self._retry is not None:
+                        self._retry.cancel()
+                        self._retry = None
 
-    def _spawn(self, count: int) -> None:
-        if self._template is not None:
-            self._template.spawn(count)
+    def _retry_now(self) -> None:
+        self._retry = None
+        self._act(self._workers.retry())
+
+    # -- events from the workers and the template ----------------------------------------------
 
     def _on_ready(
         self, identity: bytes, message: Ready, known: Worker | None, peer_pid: int | None
     ) -> None:
-        self._workers.on_ready(identity, message, known, peer_pid)
+        self._act(self._workers.on_ready(identity, message, known, peer_pid))
 
     def _is_worker(self, pid: int) -> bool:
         """Whether ``pid`` may stay connected to our socket: the template forked it."""
@@ -484,17 +522,17 @@ class Pool:
 
     def _on_template(self, message: FromTemplate) -> None:
         if isinstance(message, Spawned):
-            self._workers.on_spawned(message)
+            self._act(self._workers.on_spawned(message))
         elif isinstance(message, Exited):
-            self._workers.on_exited(message)
+            self._act(self._workers.on_exited(message))
         elif isinstance(message, SpawnFailed):
-            self._workers.on_spawn_failed(message)
+            self._act(self._workers.on_spawn_failed(message))
 
     def _on_template_lost(self) -> None:
         self._template_lost = True
         for call in self._workers.waiting:
             call.request_kill(KilledBy.SHUTDOWN, "the worker template died")
-        self._workers.on_template_lost()
+        self._act(self._workers.on_template_lost())
 
     # -- helpers -----------------------------------------------------------------------------
 

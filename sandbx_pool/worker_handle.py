@@ -72,13 +72,7 @@ class Worker:
         """Signal the worker's process group (it is its session and group leader)."""
         if self.pid is None or self.exited.done():
             return
-        # Only "no such process" is expected: the group may be gone already, or (for a worker
-        # still starting) not made yet, which is why the pid itself is signalled too.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, sig)
-        if self.state is WorkerState.STARTING:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+        signal_worker(self.pid, sig, starting=self.state is WorkerState.STARTING)
 
     def watch(self, pid: int) -> None:
         """Learn our pid (the template forked it) and hold a pidfd to learn of its death."""
@@ -206,6 +200,18 @@ class Worker:
             "wchan": self.wchan,
             "since": self.quarantined_at,
         }
+
+
+def signal_worker(pid: int, sig: int, *, starting: bool) -> None:
+    """Signal the process group the worker ``pid`` leads, and ``pid`` itself while it is
+    ``starting``. The caller knows the pid is still the worker's (not yet reaped)."""
+    # Only "no such process" is expected: the group may be gone already, or (for a worker
+    # still starting) not made yet, which is why the pid itself is signalled too.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+    if starting:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def read_proc(pid: int, name: str) -> str | None:

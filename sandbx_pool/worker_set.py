@@ -1,13 +1,28 @@
 """The pool's workers and the calls waiting for one: which call gets which worker, how many
 workers to fork, what each message from the template or a worker means for them.
 
-Decisions only, all synchronous: methods update state and return; the pool does the I/O
-(sending a call, signalling a group) afterwards. So the scheduling can be read, and tested,
-without the event loop's other business in the way.
+Decide, then act. Each method updates the set's state (its queues and counts, and its
+workers' lifecycle states) and returns the actions to take, as values (scheduling_actions.py);
+the pool performs them at once, in order, in one place:
+
+    Pool: an event (a call, a Ready, a template message, a RetryAfter's timer)
+        |  WorkerSet method: its state updated, list[Action] returned
+        v
+    Pool._act(actions): Fork, Assign, Fail, Watch, Signal, Gone, RetryAfter, CancelRetry
+
+The set itself never forks, signals, opens a pidfd, resolves a future or sets a timer, and
+needs no clock: it asks for a RetryAfter and is called back (``retry``). So its rules are tested
+without a process (tests/test_worker_set.py): the test feeds it the template's and the workers'
+messages and reads the actions back. The one question it asks of the world is how many more
+workers the coordinator's descriptors can pay for (``room``, descriptors.py); the Worker objects
+it makes carry futures of the running loop, which only the pool settles (Gone, and a call's
+execution).
 
 A worker's life here: STARTING (the template forked it) -> IDLE (its pid is known from the
 template's Spawned and it has connected with Ready, in either order) -> BUSY (a call took it)
--> gone (the template reaped it), or QUARANTINED when it would not die after SIGKILL.
+-> EXITED (the template reaped it, or died), or QUARANTINED when it would not die after
+SIGKILL. Only a pid the template has not reaped (``by_pid``) is ever signalled: a reaped one may
+already be another process's.
 """
 
 from __future__ import annotations
@@ -21,6 +36,17 @@ from collections.abc import Callable
 from sandbx_pool.call_state import CallState, describe_exit
 from sandbx_pool.errors import WorkersFailToStart
 from sandbx_pool.logs import logger
+from sandbx_pool.scheduling_actions import (
+    Action,
+    Assign,
+    CancelRetry,
+    Fail,
+    Fork,
+    Gone,
+    RetryAfter,
+    Signal,
+    Watch,
+)
 from sandbx_pool.worker_handle import Worker, WorkerState
 from sandbx_pool.workers.protocol import Exited, Ready, Spawned, SpawnFailed
 
@@ -46,17 +72,16 @@ class WorkerSet:
         *,
         max_workers: int,
         prefork: int,
-        spawn: Callable[[int], None],
         room: Callable[[], int] = lambda: MAX_EARLY_READY,
     ) -> None:
         self.max_workers = max_workers
         self.prefork = prefork
-        self._spawn = spawn
         #: How many more workers the coordinator's descriptors can pay for (descriptors.py).
         self._room = room
         #: False until the pool is open, and again once it closes or loses its template.
         self.forking = False
         self.by_token: dict[str, Worker] = {}
+        #: Workers the template forked and has not reaped: only their pids are theirs to signal.
         self.by_pid: dict[int, Worker] = {}
         self.idle: deque[Worker] = deque()
         self.waiting: deque[CallState] = deque()
@@ -67,8 +92,8 @@ class WorkerSet:
         #: Workers that exited before connecting, in a row, for the calls waiting now.
         self.failed_starts = 0
         self._early_ready: dict[str, int | None] = {}
-        #: Looks at the descriptors again while calls wait for want of them (see _starved).
-        self._retry: asyncio.TimerHandle | None = None
+        #: A RetryAfter is outstanding: calls wait for want of descriptors (see _starved).
+        self.retry_pending = False
         self.starved_tries = 0
 
     def __repr__(self) -> str:
@@ -82,49 +107,54 @@ class WorkerSet:
 
     # -- calls ---------------------------------------------------------------------------------
 
-    def enqueue(self, call: CallState) -> None:
-        """``call`` wants a worker: ``call.assigned`` resolves when it has one."""
+    def enqueue(self, call: CallState) -> list[Action]:
+        """``call`` wants a worker: an Assign (now or later) or a Fail answers it."""
         if self.starts_failing and not self.waiting:
             # The first call to wait since starts began failing gets its full count of tries,
             # whatever spares failed before it came.
             self.failed_starts = 0
         self.waiting.append(call)
-        self.assign()
-        self.replenish(eager=False)
+        return [*self._assign(), *self._replenish(eager=False)]
 
-    def withdraw(self, call: CallState) -> None:
-        """``call`` was killed while waiting; if a worker was assigned meanwhile, keep it."""
-        if call.assigned.done() and call.assigned.exception() is not None:
-            return  # failed for want of a worker: there is none to give back
-        if call.assigned.done():
-            # The worker never saw the call: it serves the next one.
-            worker = call.assigned.result()
+    def withdraw(self, call: CallState, given: Worker | None) -> list[Action]:
+        """``call`` was killed while waiting; ``given`` is the worker an Assign gave it meanwhile
+        (None if none did, or a Fail answered it): keep that worker."""
+        if given is not None:
             self.busy -= 1
-            worker.state = WorkerState.IDLE
-            self.idle.appendleft(worker)
-            self.assign()
-            return
+            if given.state is WorkerState.EXITED:
+                # It died between its Assign and now: nobody gets it; another is forked.
+                return [*self._assign(), *self._replenish()]
+            # The worker never saw the call: it serves the next one.
+            given.state = WorkerState.IDLE
+            self.idle.appendleft(given)
+            return self._assign()
         with contextlib.suppress(ValueError):
             self.waiting.remove(call)
+        return []
 
-    def widen(self, max_workers: int) -> None:
+    def widen(self, max_workers: int) -> list[Action]:
         """Let at least ``max_workers`` calls run at once from now on (never fewer than now);
         calls that were waiting for a slot take the new ones."""
         if max_workers <= self.max_workers:
-            return
+            return []
         self.max_workers = max_workers
-        self.replenish()
-        self.assign()
+        return [*self._replenish(), *self._assign()]
 
-    def assign(self) -> None:
+    def _assign(self) -> list[Action]:
+        actions: list[Action] = []
         while self.waiting and self.idle and self.busy < self.max_workers:
             call = self.waiting.popleft()
             worker = self.idle.popleft()
             worker.state = WorkerState.BUSY
             self.busy += 1
-            call.assigned.set_result(worker)
+            actions.append(Assign(call, worker))
+        return actions
 
-    def replenish(self, *, eager: bool = True) -> None:
+    def replenish(self) -> list[Action]:
+        """Fork what is missing (the pool has just opened)."""
+        return self._replenish()
+
+    def _replenish(self, *, eager: bool = True) -> list[Action]:
         """Ask the template for the workers we lack.
 
         Workers are wanted for the queued calls that could run now (``workers`` bounds how many
@@ -135,25 +165,26 @@ class WorkerSet:
         workers fail to start, no spares: only a waiting call is worth another try.
         """
         if not self.forking:
-            return
+            return []
         runnable = min(len(self.waiting), self.max_workers - self.busy)
         spares = 0 if self.starts_failing else min(self.prefork, self.max_workers)
         wanted = runnable + (spares if eager else min(spares, 1))
         missing = wanted - len(self.idle) - self.starting
         if missing <= 0:
-            return
+            return []
         # Those still starting have not connected yet: their descriptors are not open yet.
         room = self._room() - self.starting
         if room < missing:
             missing = max(0, room)
             if missing == 0 and self.waiting:
-                self._starved()
-        if missing > 0:
-            self.starved_tries = 0
-            self.starting += missing
-            self._spawn(missing)
+                return self._starved()
+        if missing <= 0:
+            return []
+        self.starved_tries = 0
+        self.starting += missing
+        return [Fork(missing)]
 
-    def _starved(self) -> None:
+    def _starved(self) -> list[Action]:
         """Calls wait and no descriptor is left for a worker. Look again shortly: a worker that
         exited frees its connection on libzmq's thread, a moment after we hear of the exit.
         With no worker left to free any, the waiting calls fail after a bounded wait."""
@@ -161,34 +192,44 @@ class WorkerSet:
             self.starved_tries += 1
             if self.starved_tries > MAX_STARVED_TRIES:
                 self.starved_tries = 0
-                self._fail_waiting(
+                return self._fail_waiting(
                     WorkersFailToStart(
                         "out of file descriptors: the coordinator cannot afford a worker"
                         " (raise `ulimit -n`, or close what this process holds open)"
                     )
                 )
-                return
-        if self._retry is None or self._retry.cancelled():
-            loop = asyncio.get_running_loop()
-            self._retry = loop.call_later(STARVED_RETRY_S, self._retried)
+        if self.retry_pending:
+            return []
+        self.retry_pending = True
+        return [RetryAfter(STARVED_RETRY_S)]
 
-    def _retried(self) -> None:
-        self._retry = None
-        self.replenish()
+    def retry(self) -> list[Action]:
+        """The time of the outstanding RetryAfter has come: look at the descriptors again."""
+        self.retry_pending = False
+        return self._replenish()
+
+    def stop_retrying(self) -> list[Action]:
+        if not self.retry_pending:
+            return []
+        self.retry_pending = False
+        return [CancelRetry()]
 
     def live(self) -> int:
         """Workers that hold descriptors of ours, or soon will: all but the exited."""
         alive = (WorkerState.IDLE, WorkerState.BUSY, WorkerState.QUARANTINED)
         return self.starting + sum(1 for w in self.by_token.values() if w.state in alive)
 
-    def release(self, worker: Worker) -> None:
+    def _owns_pid(self, worker: Worker) -> bool:
+        """Whether the worker's pid is still its own: known from Spawned, not yet reaped."""
+        return worker.pid is not None and self.by_pid.get(worker.pid) is worker
+
+    def release(self, worker: Worker) -> list[Action]:
         """The call ``worker`` served is over (answered, killed or quarantined)."""
         worker.call = None
-        if worker.exited.done():
+        if not self._owns_pid(worker):  # reaped mid-call (on_exited kept it findable): forget it
             self.by_token.pop(worker.token, None)
         self.busy -= 1
-        self.assign()
-        self.replenish()
+        return [*self._assign(), *self._replenish()]
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -204,56 +245,58 @@ class WorkerSet:
 
     def on_ready(
         self, identity: bytes, message: Ready, known: Worker | None, peer_pid: int | None
-    ) -> None:
+    ) -> list[Action]:
         if message.token.encode() != identity:
             logger.warning("dropped a Ready whose token does not match its identity")
-            return
+            return []
         if known is None:
             # Before the template's Spawned (they travel separately) or forged: keep who sent
             # it until Spawned says which process the token belongs to.
             self._early_ready[message.token] = peer_pid
             while len(self._early_ready) > MAX_EARLY_READY:
                 self._early_ready.pop(next(iter(self._early_ready)))
-            return
-        self._accept_ready(known, peer_pid)
+            return []
+        return self._accept_ready(known, peer_pid)
 
-    def _accept_ready(self, worker: Worker, peer_pid: int | None) -> None:
+    def _accept_ready(self, worker: Worker, peer_pid: int | None) -> list[Action]:
         # A stranger may connect first under a token not yet in use; the connection's pid
         # (SO_PEERCRED) must be the one the template forked for it.
         if peer_pid is not None and peer_pid != worker.pid:
             logger.warning("dropped a Ready for worker {} sent by process {}", worker.pid, peer_pid)
-            return
+            return []
         worker.ready = True
-        self._maybe_idle(worker)
+        return self._maybe_idle(worker)
 
-    def on_spawned(self, message: Spawned) -> None:
+    def on_spawned(self, message: Spawned) -> list[Action]:
         worker = self._worker(message.token)
-        worker.watch(message.pid)
+        worker.pid = message.pid
+        actions: list[Action] = [Watch(worker, message.pid)]
         self.by_pid[message.pid] = worker
         if message.token in self._early_ready:
-            self._accept_ready(worker, self._early_ready.pop(message.token))
-        self._maybe_idle(worker)
+            actions += self._accept_ready(worker, self._early_ready.pop(message.token))
+        return actions + self._maybe_idle(worker)
 
-    def on_exited(self, message: Exited) -> None:
+    def on_exited(self, message: Exited) -> list[Action]:
         if message.pid not in self.by_pid:
-            return
+            return []
         worker = self.by_pid.pop(message.pid)
         if worker.call is None:
             # With a call in flight, keep it findable: its Result may still be on its way.
             self.by_token.pop(worker.token, None)
+        actions: list[Action] = []
         if worker.state is WorkerState.STARTING:
             self.starting -= 1
             if self.forking:  # not the pool closing, or its template dying
-                self._failed_to_start(message.returncode)
+                actions += self._failed_to_start(message.returncode)
         elif worker.state is WorkerState.IDLE:
             with contextlib.suppress(ValueError):
                 self.idle.remove(worker)
         elif worker.state is WorkerState.QUARANTINED:
             logger.info("stuck worker {} finally exited ({})", worker.pid, message.returncode)
-        worker.mark_exited(message.returncode)
-        self.replenish()
+        worker.state = WorkerState.EXITED
+        return [*actions, Gone(worker, message.returncode), *self._replenish()]
 
-    def on_spawn_failed(self, message: SpawnFailed) -> None:
+    def on_spawn_failed(self, message: SpawnFailed) -> list[Action]:
         """The template could not fork ``message.count`` of the workers asked for, even after
         its backoff (a fork bomb or another pool holds every pid it may have, or memory is
         short). Fail the calls that were waiting for them now: the template has already waited,
@@ -263,17 +306,16 @@ class WorkerSet:
         runnable = min(len(self.waiting), self.max_workers - self.busy)
         unserved = runnable - self.starting - len(self.idle)
         if unserved <= 0:
-            return
+            return []
         error = WorkersFailToStart(f"no worker could be forked: {message.error}")
         logger.error("{}", error)
-        for _ in range(unserved):
-            self.waiting.popleft().assigned.set_exception(error)
+        return [Fail(self.waiting.popleft(), error) for _ in range(unserved)]
 
-    def _failed_to_start(self, returncode: int) -> None:
+    def _failed_to_start(self, returncode: int) -> list[Action]:
         self.starts_failing = True
         self.failed_starts += 1
         if self.failed_starts < MAX_FAILED_STARTS or not self.waiting:
-            return
+            return []
         self.failed_starts = 0
         error = WorkersFailToStart(
             f"no worker could start: {MAX_FAILED_STARTS} in a row exited before connecting"
@@ -281,36 +323,48 @@ class WorkerSet:
         )
         # Each waiting call fails; a later call tries again, MAX_FAILED_STARTS forks at most,
         # and until one does, nothing is forked (replenish forks no spares meanwhile).
-        self._fail_waiting(error)
+        return self._fail_waiting(error)
 
-    def _fail_waiting(self, error: WorkersFailToStart) -> None:
+    def _fail_waiting(self, error: WorkersFailToStart) -> list[Action]:
         logger.error("{}", error)
+        actions: list[Action] = []
         while self.waiting:
-            self.waiting.popleft().assigned.set_exception(error)
+            actions.append(Fail(self.waiting.popleft(), error))
+        return actions
 
-    def _maybe_idle(self, worker: Worker) -> None:
+    def _maybe_idle(self, worker: Worker) -> list[Action]:
         if worker.state is WorkerState.STARTING and worker.ready and worker.pid is not None:
             self.starts_failing = False
             self.failed_starts = 0
             self.starting -= 1
             worker.state = WorkerState.IDLE
             self.idle.append(worker)
-            self.assign()
+            return self._assign()
+        return []
 
-    def on_template_lost(self) -> None:
+    def _kill(self, worker: Worker) -> list[Action]:
+        """SIGKILL for the worker's group, if its pid is still its own."""
+        if worker.pid is None or not self._owns_pid(worker):
+            return []
+        starting = worker.state is WorkerState.STARTING
+        return [Signal(worker.pid, signal.SIGKILL, starting=starting)]
+
+    def on_template_lost(self) -> list[Action]:
         """No more forks, and every worker is gone with the template (PDEATHSIG)."""
         self.forking = False
+        actions: list[Action] = []
         for worker in list(self.by_token.values()):
-            worker.signal_group(signal.SIGKILL)
-            worker.mark_exited(-signal.SIGKILL)
+            actions += self._kill(worker)
+            worker.state = WorkerState.EXITED
+            actions.append(Gone(worker, -signal.SIGKILL))
+        # No Exited will come: nobody we know reaps them now, and their pids are not ours.
+        self.by_pid.clear()
+        return actions
 
-    def stop_retrying(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
-            self._retry = None
-
-    def kill_all(self) -> None:
+    def kill_all(self) -> list[Action]:
         """SIGKILL every worker's group, except those already stuck in the kernel."""
+        actions: list[Action] = []
         for worker in list(self.by_token.values()):
             if worker.state is not WorkerState.QUARANTINED:
-                worker.signal_group(signal.SIGKILL)
+                actions += self._kill(worker)
+        return actions
