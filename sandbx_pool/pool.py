@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-import math
 import os
 import signal
 import time
@@ -53,7 +52,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool import descriptors, lexical_paths
+from sandbx_pool import descriptors, preflight
 from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
@@ -93,7 +92,6 @@ from sandbx_pool.template_handle import TemplateHandle
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck, signal_worker
 from sandbx_pool.worker_set import WorkerSet
 from sandbx_pool.workers.protocol import (
-    ExecutionContext,
     Exited,
     FromTemplate,
     Limits,
@@ -102,7 +100,6 @@ from sandbx_pool.workers.protocol import (
     Spawned,
     SpawnFailed,
 )
-from sandbx_pool.workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
 
 
 class PoolState(enum.IntEnum):
@@ -269,7 +266,7 @@ class Pool:
         if not paths:
             return
         call = CallState(f"{self._id_prefix}-recovery", "_remove_temps", {"paths": paths}, 30.0)
-        call.context = self._context(call, self.workspace)
+        call.context = preflight.call_context(call, self.workspace, self._side())
         try:
             payload = encode_call(call)
             worker = await self._acquire(call)
@@ -374,7 +371,7 @@ class Pool:
             raise PoolClosed("the pool is closed")
         if self._template_lost:
             raise TemplateLost("the worker template died; open a new pool")
-        check_call_arguments(timeout, cwd, env, limits, call_id)
+        preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
@@ -412,31 +409,9 @@ class Pool:
         # Checks that need no process, in order: nothing is forked for a refused call.
         if call.killer is not None:
             return call.killed_outcome()
-        try:
-            args = parse_args(call.tool, call.raw_args)
-        except (UnknownTool, msgspec.ValidationError) as exc:
-            return call.outcome(Status.ERROR, error=f"bad arguments: {exc}")
-        except RecursionError:
-            return call.outcome(Status.ERROR, error="bad arguments: nested too deeply")
-        # In a view, paths are the view's: its root is the workspace they are confined to.
-        base = call.workspace or self.workspace
-        workspace = base if call.view is None else "/"
-        try:
-            if call.view is not None:
-                lexical_paths.check_view(base, call.view)
-            call_cwd = lexical_paths.resolve_cwd(workspace, call.cwd)
-        except ValueError as exc:
-            return call.outcome(Status.DENIED, error=str(exc))
-        denial = lexical_paths.denial(workspace, call_cwd, args) or self._gate.denial(
-            call.tool, args, workspace=workspace, cwd=call_cwd
-        )
-        if denial is not None:
-            return call.outcome(Status.DENIED, error=denial)
-        call.context = self._context(call, call_cwd)
-        try:
-            payload = encode_call(call)
-        except Unsendable as exc:
-            return call.outcome(Status.ERROR, error=str(exc))
+        payload = preflight.prepare(call, self._side())
+        if isinstance(payload, Outcome):
+            return payload
         if self.state is not PoolState.OPEN or self._template_lost:
             call.request_kill(KilledBy.SHUTDOWN, "pool closing")
         try:
@@ -536,32 +511,8 @@ class Pool:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _context(self, call: CallState, cwd: str) -> ExecutionContext:
-        """Everything the worker needs for this call, and nothing shared with another call."""
-        sandbox = self._sandbox or Sandbox()
-        if call.view is not None:
-            # The pool's lock directory is not in the view: a write there locks its directory.
-            sandbox = msgspec.structs.replace(sandbox, view=call.view, lock_dir=None)
-        return ExecutionContext(
-            call_id=call.call_id,
-            workspace=(call.workspace or self.workspace) if call.view is None else "/",
-            cwd=cwd,
-            env=self.config.env.for_call(call.env),
-            limits=call.limits or self.config.limits.for_workers(),
-            max_output_bytes=self._max_output_bytes(call.tool),
-            sandbox=sandbox,
-            keep_output_bytes=self.config.calls.keep_output_bytes,
-            grace_s=self.config.calls.grace_s,
-            workspace_root=self.workspace,
-        )
-
-    def _max_output_bytes(self, tool: str) -> int:
-        """bash keeps head and tail and is killed only past max_output_bytes (a flood); the
-        other tools return whole results, which keep_output_bytes bounds as it bounds bash's."""
-        calls = self.config.calls
-        if tool in RUNS_PROGRAMS:
-            return calls.max_output_bytes
-        return min(calls.max_output_bytes, calls.keep_output_bytes)
+    def _side(self) -> preflight.PoolSide:
+        return preflight.PoolSide(self.config, self.workspace, self._sandbox, self._gate)
 
     @property
     def interrupted(self) -> list[IntentRecord]:
@@ -599,26 +550,3 @@ class Pool:
 def _normalised(path: str) -> str:
     # Lexical only: the coordinator never touches the workspace's filesystem.
     return os.path.normpath(path)
-
-
-def check_call_arguments(
-    timeout: object, cwd: object, env: object, limits: object, call_id: object
-) -> None:
-    """Misuse of ``Pool.call`` is the caller's bug: a TypeError or ValueError, raised before
-    anything is journaled or forked (a tool's bad ``args`` are an outcome instead)."""
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
-        if not math.isfinite(timeout) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
-    if cwd is not None and not isinstance(cwd, str):
-        raise TypeError(f"cwd must be a str or None, not {type(cwd).__name__}")
-    if env is not None and not (
-        isinstance(env, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-    ):
-        raise TypeError("env must be a dict of str to str, or None")
-    if limits is not None and not isinstance(limits, Limits):
-        raise TypeError(f"limits must be a Limits or None, not {type(limits).__name__}")
-    if call_id is not None and not (isinstance(call_id, str) and call_id):
-        raise TypeError(f"call_id must be a non-empty str or None, not {call_id!r}")

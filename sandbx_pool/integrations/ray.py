@@ -53,7 +53,7 @@ from sandbx_pool.journal.records import NODE_LOST
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
-from sandbx_pool.pool import check_call_arguments
+from sandbx_pool.preflight import check_call_arguments
 
 #: After a cancel is sent, how long the driver waits for the node's cancelled outcome before it
 #: gives up on the node (ray.cancel, then a ``cancelled`` outcome of its own). The node answers

@@ -1,0 +1,127 @@
+"""What is decided of a call before any worker is taken: nothing is forked for a refused call.
+
+    Pool.call(tool, args, ...)
+        check_call_arguments   misuse of the API (a wrong type): TypeError / ValueError, raised
+    the driver, in order (call_life.CallLife.drive runs it):
+        parse_args             bad arguments: ``error``
+        lexical_paths          cwd, view and tool paths outside the workspace: ``denied``
+        gate                   the policy, and the caller's ``approve``: ``denied``
+        call_context           the ExecutionContext: everything the worker needs, nothing shared
+        encode_call            an argument the wire cannot carry: ``error``
+    --> the encoded Call, ready for the first idle worker (or the outcome that refused it)
+
+Only strings are checked here: the coordinator never touches the workspace's filesystem (a
+stat on a hung mount would hang every caller); symlinks are resolved in the worker.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgspec
+
+from sandbx_pool import lexical_paths
+from sandbx_pool.call_state import CallState
+from sandbx_pool.config import Config
+from sandbx_pool.execution import Unsendable, encode_call
+from sandbx_pool.gate import Gate
+from sandbx_pool.outcome import Outcome, Status
+from sandbx_pool.workers.protocol import ExecutionContext, Limits, Sandbox
+from sandbx_pool.workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
+
+
+@dataclass(frozen=True)
+class PoolSide:
+    """What of the pool a call's checks and context take: its settings, not its state."""
+
+    config: Config
+    workspace: str  # the pool's own (a call may name another)
+    sandbox: Sandbox | None  # the workers' sandbox, once the pool has started
+    gate: Gate
+
+
+def check_call_arguments(
+    timeout: object, cwd: object, env: object, limits: object, call_id: object
+) -> None:
+    """Misuse of ``Pool.call`` is the caller's bug: a TypeError or ValueError, raised before
+    anything is journaled or forked (a tool's bad ``args`` are an outcome instead)."""
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    if cwd is not None and not isinstance(cwd, str):
+        raise TypeError(f"cwd must be a str or None, not {type(cwd).__name__}")
+    if env is not None and not (
+        isinstance(env, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise TypeError("env must be a dict of str to str, or None")
+    if limits is not None and not isinstance(limits, Limits):
+        raise TypeError(f"limits must be a Limits or None, not {type(limits).__name__}")
+    if call_id is not None and not (isinstance(call_id, str) and call_id):
+        raise TypeError(f"call_id must be a non-empty str or None, not {call_id!r}")
+
+
+def prepare(call: CallState, pool: PoolSide) -> bytes | Outcome:
+    """The checks in order (see above): the encoded Call, or the outcome that refuses it. Sets
+    ``call.context``."""
+    try:
+        args = parse_args(call.tool, call.raw_args)
+    except (UnknownTool, msgspec.ValidationError) as exc:
+        return call.outcome(Status.ERROR, error=f"bad arguments: {exc}")
+    except RecursionError:
+        return call.outcome(Status.ERROR, error="bad arguments: nested too deeply")
+    # In a view, paths are the view's: its root is the workspace they are confined to.
+    base = call.workspace or pool.workspace
+    workspace = base if call.view is None else "/"
+    try:
+        if call.view is not None:
+            lexical_paths.check_view(base, call.view)
+        call_cwd = lexical_paths.resolve_cwd(workspace, call.cwd)
+    except ValueError as exc:
+        return call.outcome(Status.DENIED, error=str(exc))
+    denial = lexical_paths.denial(workspace, call_cwd, args) or pool.gate.denial(
+        call.tool, args, workspace=workspace, cwd=call_cwd
+    )
+    if denial is not None:
+        return call.outcome(Status.DENIED, error=denial)
+    call.context = call_context(call, call_cwd, pool)
+    try:
+        return encode_call(call)
+    except Unsendable as exc:
+        return call.outcome(Status.ERROR, error=str(exc))
+
+
+def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
+    """Everything the worker needs for this call, and nothing shared with another call."""
+    sandbox = pool.sandbox or Sandbox()
+    if call.view is not None:
+        # The pool's lock directory is not in the view: a write there locks its directory.
+        sandbox = msgspec.structs.replace(sandbox, view=call.view, lock_dir=None)
+    config = pool.config
+    return ExecutionContext(
+        call_id=call.call_id,
+        workspace=(call.workspace or pool.workspace) if call.view is None else "/",
+        cwd=cwd,
+        env=config.env.for_call(call.env),
+        limits=call.limits or config.limits.for_workers(),
+        max_output_bytes=max_output_bytes(config, call.tool),
+        sandbox=sandbox,
+        keep_output_bytes=config.calls.keep_output_bytes,
+        grace_s=config.calls.grace_s,
+        workspace_root=pool.workspace,
+    )
+
+
+def max_output_bytes(config: Config, tool: str) -> int:
+    """bash keeps head and tail and is killed only past max_output_bytes (a flood); the other
+    tools return whole results, which keep_output_bytes bounds as it bounds bash's."""
+    calls = config.calls
+    if tool in RUNS_PROGRAMS:
+        return calls.max_output_bytes
+    return min(calls.max_output_bytes, calls.keep_output_bytes)
+
+
+__all__ = ["PoolSide", "call_context", "check_call_arguments", "max_output_bytes", "prepare"]
