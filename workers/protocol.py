@@ -116,7 +116,8 @@ class Call(Message, tag="call"):
 
 
 class Result(Message, tag="result"):
-    """The tool finished. ``status`` is one of ok, error, denied, output_limit."""
+    """The call is over. ``status`` is one of ok, error, denied, output_limit, or crashed (the
+    tool was stopped in the middle by its CPU limit, which the worker caught: runtime.py)."""
 
     call_id: str
     status: str
