@@ -157,3 +157,19 @@ def test_the_rule_is_stated_once() -> None:
     # The package docstrings point at the rule; only sandbx_pool.workers states it.
     assert "COORDINATOR_MAY_IMPORT" in (workers_package.__doc__ or "")
     assert "COORDINATOR_MAY_IMPORT" in (sandbx_pool.__doc__ or "")
+
+
+def test_the_map_names_every_module() -> None:
+    # docs/design.md's "Where the code lives" is the newcomer's map: a module it does not name
+    # is one they will not find.
+    design = (REPO / "docs" / "design.md").read_text()
+    section = design.split("### Where the code lives", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for side in ("sandbx_pool", "workers"):
+        for path in sorted((REPO / side).rglob("*.py")):
+            relative = path.relative_to(REPO / side)
+            named = relative.as_posix()
+            short = named.rsplit("/", 1)[-1]
+            if f"`{named}`" not in section and f"`{short}`" not in section:
+                missing.append(f"{side}/{named}")
+    assert missing == [], f"docs/design.md's map leaves out: {missing}"
