@@ -1,10 +1,12 @@
 """The coordinator: runs each tool call in a disposable worker and journals it.
 
-    caller --await pool.call(tool, args)--> Pool.call
-        |  checks before anything forks: cancelled token, arguments, lexical paths, gate
+    caller --await pool.call(tool, args)--> Pool.call (misuse raises: preflight)
+        |  driver task, one per call: CallLife.drive (call_life.py, shared with RayPool)
         |  journal intent (durable first when the call has side effects)
+        |  checks before anything forks: cancelled token, arguments, lexical paths, gate,
+        |  context, encoding (preflight.py)
         v
-    driver task (one per call) --takes an idle, pre-forked worker--> ROUTER.send(Call)
+    takes an idle, pre-forked worker (WorkerSet) --> ROUTER.send(Call) (execution.py)
         |  waits for the first of: Result | kill request (token, task, timeout, shutdown)
         |  | the worker's exit (crash)
         |  on a kill: SIGTERM (bash, then SIGKILL after the grace) or SIGKILL to the worker's
@@ -12,7 +14,7 @@
         |  if it does not die (state D on a hung mount), the caller is released anyway and the
         |  worker is quarantined until it is reaped
         v
-    journal outcome --> Outcome to the caller
+    journal outcome (on disk first under policy "always") --> Outcome to the caller
 
 Actors:
 
@@ -24,7 +26,7 @@ Actors:
   and ignored.
 * Each call runs in its own driver task, so that cancelling the caller's task only *requests*
   the kill: the driver finishes the cleanup (shielded) and the caller gets its CancelledError
-  back afterwards.
+  back afterwards (call_life.attend).
 * The ``WorkerSet`` (worker_set.py) schedules: which call gets which worker, how many to fork,
   what each Ready and template message means. Its methods only decide: they update its state
   and return the actions to take (fork, assign, fail a call, watch a pid, signal a group, look
