@@ -160,7 +160,7 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
     keep_root = box.keep_root and box.view is None
     try:
         _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
-        network_namespace = False
+        network_namespace = private = False
         # A folder of the pool's workspace, reached without a symlink: what the rules (or the
         # view) are then checked to have been built on, whatever a parallel call swaps meanwhile.
         anchor = paths.reach(ctx.workspace_root, box.view or ctx.workspace)
@@ -220,7 +220,8 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         for ruleset in rulesets:
             ruleset.restrict_self()
         if runs_programs and seccomp.supported():
-            seccomp.install()
+            # Without an IPC namespace of its own, SysV IPC would reach the host's objects.
+            seccomp.install(offline=not box.network, shared_ipc=not private)
     except (OSError, SandboxError, Denied) as exc:
         if tmpdir is not None:
             remove_tree(tmpdir)

@@ -63,11 +63,17 @@ def _child_probes() -> dict[str, Any]:
         )
     except OSError:
         found["root_locked_out"] = False
-    found["seccomp"] = False
+    found["seccomp"] = found["seccomp_sockets"] = found["seccomp_ipc"] = False
     if seccomp.supported() and found["no_new_privs"]:
-        seccomp.install()
+        seccomp.install(offline=True, shared_ipc=True)
         # keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_KEYRING): the filter must refuse it.
         found["seccomp"] = _libc.try_syscall(seccomp.number("keyctl"), 0, -4, 0) == errno.EPERM
+        vsock = _libc.try_syscall(seccomp.number("socket"), seccomp.AF_VSOCK, 1, 0)
+        uevent = _libc.try_syscall(seccomp.number("socket"), seccomp.AF_NETLINK, 2, 15)
+        found["seccomp_sockets"] = vsock == uevent == errno.EPERM
+        # shmget(IPC_PRIVATE, 4096, IPC_CREAT | 0600): refused before it reaches the kernel.
+        ipc = _libc.try_syscall(seccomp.number("shmget"), 0, 4096, 0o1600)
+        found["seccomp_ipc"] = ipc == errno.EPERM
     found["landlock_enforced"] = False
     if landlock.abi_version() > 0 and found["no_new_privs"]:
         ruleset = landlock.Ruleset(handled_fs=landlock.READ_FILE)
@@ -314,16 +320,20 @@ def diagnose() -> list[Check]:
         ),
         Check(
             "seccomp filter",
-            bool(child.get("seccomp")),
-            "no io_uring, ptrace, keyrings, user namespaces, packet sockets, set-uid files"
-            " (workers/seccomp.py)",
-            "not x86_64/aarch64 or no seccomp: those system calls stay open",
+            bool(child.get("seccomp")) and bool(child.get("seccomp_sockets")),
+            "no io_uring, ptrace, keyrings, user namespaces, set-uid files; no AF_PACKET,"
+            " AF_VSOCK or uevent netlink socket, and with network = false no family but"
+            " AF_UNIX, AF_INET, AF_INET6 and netlink route: EPERM (workers/seccomp.py)",
+            "not x86_64/aarch64 or no seccomp: those system calls and sockets stay open",
         ),
         Check(
             "IPC namespaces",
             bool(child.get("ipc_namespaces")),
             "each bash call has SysV shared memory, semaphores and queues of its own",
-            "calls share the host's SysV IPC objects",
+            "SysV IPC and POSIX queue calls fail with EPERM (seccomp): the host's objects stay"
+            " out of reach, and a program that needs SysV shared memory fails"
+            if child.get("seccomp_ipc")
+            else "calls share the host's SysV IPC objects",
         ),
         Check(
             "root's secrets masked",
