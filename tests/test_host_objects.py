@@ -318,3 +318,23 @@ async def test_the_hosts_ipc_objects_are_out_of_reach(
             "queue": "ok",
             "host mqueue": "ENOENT",
         }, found
+
+
+# -- moves across directories -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sandbox", [{"network": False}, {"filesystem": "host"}, {}], ids=["offline", "host", "default"]
+)
+async def test_files_move_across_directories(workspace: Path, sandbox: dict[str, object]) -> None:
+    """Every Landlock layer refuses linking or renaming into another directory unless it grants
+    it, a layer that handles only the network (network = false) or no path (filesystem =
+    "host") included."""
+    command = (
+        "mkdir a b && touch a/x && ln a/x b/y && "
+        + python("import os; os.rename('a/x', 'b/z')")
+        + " && ls b"
+    )
+    async with pool_with(workspace, **sandbox) as pool:
+        value = await bash(pool, command)
+    assert value["stdout"].split() == ["y", "z"], value

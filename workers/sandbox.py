@@ -486,8 +486,8 @@ def _rulesets(
         preload().drop_rules()
         # No filesystem rules, but a domain still (for the ptrace and scope rules): it handles
         # device-node creation, which nobody is granted.
-        handled = landlock.MAKE_CHAR | landlock.MAKE_BLOCK
-        rulesets.append(landlock.Ruleset(handled_fs=handled, scoped=SCOPES))
+        handled = landlock.MAKE_CHAR | landlock.MAKE_BLOCK | landlock.REFER
+        rulesets.append(_moves_anywhere(landlock.Ruleset(handled_fs=handled, scoped=SCOPES)))
     # What was prepared and not used: descriptors that would count against the call's limit.
     if prepared.ruleset is not None:
         prepared.ruleset.close()
@@ -497,8 +497,19 @@ def _rulesets(
     if offline and landlock.has_net_rules(abi):
         # A domain of its own, stacked: the fixed rules above were built before we knew.
         handled_net = landlock.NET_BIND_TCP | landlock.NET_CONNECT_TCP
-        rulesets.append(landlock.Ruleset(handled_net=handled_net))
+        net = landlock.Ruleset(handled_fs=landlock.REFER, handled_net=handled_net)
+        rulesets.append(_moves_anywhere(net))
     return rulesets
+
+
+def _moves_anywhere(ruleset: landlock.Ruleset) -> landlock.Ruleset:
+    """Grant linking and renaming into another directory (REFER) everywhere. Every layer that
+    handles any filesystem access refuses it where it does not grant it, and the kernel counts
+    REFER as handled by every layer, a network-only one too: without this, ``ln a/x b/`` and
+    rename(2) across directories failed with EXDEV in bash with ``network = false`` or
+    ``filesystem = "host"`` (mv copies instead; a program that renames fails)."""
+    ruleset.allow_path("/", landlock.REFER)
+    return ruleset
 
 
 __all__ = ["Confinement", "Prepared", "SandboxError", "confine", "prepare"]
