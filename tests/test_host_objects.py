@@ -320,6 +320,87 @@ async def test_the_hosts_ipc_objects_are_out_of_reach(
         }, found
 
 
+# -- root's secrets -----------------------------------------------------------------------------
+
+SHADOW = "/etc/shadow"
+SECRETS = [path for path in (SHADOW, "/etc/gshadow", "/etc/sudoers") if os.path.exists(path)]
+needs_shadow = pytest.mark.skipif(not os.path.exists(SHADOW), reason="no /etc/shadow here")
+
+
+@needs_shadow
+async def test_bash_cannot_read_roots_secrets(workspace: Path, tmp_path: Path) -> None:
+    needs("root's secrets unreadable")
+    (workspace / "s").symlink_to(SHADOW)
+    attempts = {
+        "cat": "cat /etc/shadow /etc/gshadow",
+        "through a symlink": "cat s",
+        "copied": "cp /etc/shadow copy && cat copy",
+        "linked away": 'ln /etc/shadow "$TMPDIR/x" && cat "$TMPDIR/x"',
+        "python": python("print(open('/etc/shadow').read())"),
+        "through /proc": "cat /proc/self/root/etc/shadow",
+    }
+    async with pool_with(workspace) as pool:
+        for what, command in attempts.items():
+            value = await bash(pool, command)
+            assert value["exit_code"] != 0, (what, value)
+            assert "root:" not in value["stdout"], (what, value)
+        # What lies beside them is read as before.
+        value = await bash(pool, "head -1 /etc/passwd && ls /etc | grep -cx shadow")
+        assert value["stdout"].startswith("root:"), value
+        assert value["stdout"].endswith("\n1\n"), value  # and its name is listed
+
+
+@needs_shadow
+async def test_the_file_tools_cannot_read_roots_secrets(tmp_path: Path) -> None:
+    """A workspace of / (a Ray node's pool has one): the path checks let /etc/shadow through,
+    the kernel must not."""
+    needs("root's secrets unreadable")
+    config = marked_config(pool={"workers": 2})
+    async with Pool("/", journal=tmp_path / "j.jsonl", config=config) as pool:
+        reads = [await pool.call("read", {"path": path}, timeout=60) for path in SECRETS]
+        passwd = await pool.call("read", {"path": "/etc/passwd", "limit": 1}, timeout=60)
+    for read in reads:
+        assert read.status is Status.ERROR, read
+        assert read.error_code == "EACCES", read
+    assert passwd.status is Status.OK, passwd
+    assert passwd.value is not None
+    assert passwd.value["content"].startswith("root:"), passwd
+
+
+@needs_shadow
+async def test_a_file_made_in_etc_after_the_start_is_readable(workspace: Path) -> None:
+    """Where a Landlock layer leaves the secrets out, it lists /etc once: an entry made since
+    must still be readable, and a symlink to a secret must not lead to it."""
+    if os.geteuid() != 0:
+        pytest.skip("only root can make a file in /etc")
+    needs("root's secrets unreadable")
+    tag = f"sbxtest-{uuid.uuid4().hex[:12]}"
+    made = [Path(f"/etc/{tag}"), Path(f"/etc/{tag}-to-shadow"), Path(f"/etc/{tag}-to-passwd")]
+    async with pool_with(workspace) as pool:
+        await bash(pool, "true")  # the pool is up, its next workers forked already
+        try:
+            made[0].write_text("made after the start\n")
+            made[1].symlink_to(SHADOW)
+            made[2].symlink_to("passwd")
+            value = await bash(pool, f"cat /etc/{tag}; head -1 /etc/{tag}-to-passwd")
+            assert value["stdout"].startswith("made after the start\nroot:"), value
+            value = await bash(pool, f"cat /etc/{tag}-to-shadow")
+            assert value["exit_code"] != 0, value
+            assert "root:" not in value["stdout"], value
+        finally:
+            for path in made:
+                path.unlink(missing_ok=True)
+
+
+async def test_doctor_says_how_the_secrets_are_kept() -> None:
+    check = doctor()["root's secrets unreadable"]
+    if os.geteuid() != 0:
+        assert "not root" in check.detail
+    elif check.ok:
+        assert "mount" in check.detail or "Landlock" in check.detail, check
+    assert "AF_VSOCK" in doctor()["seccomp filter"].detail
+
+
 # -- moves across directories -------------------------------------------------------------------
 
 

@@ -22,7 +22,8 @@ kernel's, set up by the worker itself in two stages::
     |   run_as              setgroups, setgid, setuid
     |   capabilities *      the worker's own emptied too (workers.lockdown)
     |   non-dumpable        the worker's memory (the call's secret) is closed to its commands
-    |   Landlock            filesystem rules, TCP rules, signal and abstract socket scoping
+    |   Landlock            filesystem rules, TCP rules, signal and abstract socket scoping;
+    |                       where no mount masks root's secrets, a layer that leaves them out
     |   seccomp *           the system calls past a capless uid 0 (workers.seccomp)
     v
     tool --> Result --> release(): remove TMPDIR (a tmpfs goes with the namespace anyway)
@@ -137,6 +138,8 @@ def rehearse() -> None:
     rule = landlock.PathBeneath.open("/", WRITE)
     if rule is not None:
         rule.close()
+    preload().holds_secrets("/")
+    preload().secrets_layer_fresh()
 
 
 def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confinement:
@@ -203,6 +206,24 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         rulesets = _rulesets(
             call.context, tmpdir, prepared, network_namespace, runs_programs, anchor
         )
+        # Root's secrets, where no mount of the call's covers them: a Landlock layer of their
+        # own leaves them unreadable (workers.rules.SecretsLayer). keep_root reads them, as it
+        # does where the masks would apply. A file tool has no mount namespace (but in a view,
+        # whose tree is its own, masked) and reaches only its workspace (workers.paths): it
+        # takes the layer where bash cannot mask, or when its workspace holds a secret (/).
+        preloaded = preload()
+        if runs_programs:
+            unmasked = not private and not keep_root
+        else:
+            unmasked = box.view is None and (
+                not preloaded.can_mask
+                or preloaded.holds_secrets(paths.real_workspace(ctx.workspace))
+            )
+        layer = preloaded.take_secrets_layer() if rulesets and unmasked else None
+        if layer is None:
+            preloaded.drop_secrets_layer()
+        else:
+            rulesets.append(layer)
         if box.uid is not None:
             os.setgroups(list(box.groups))
             os.setgid(box.gid if box.gid is not None else box.uid)
