@@ -392,7 +392,7 @@ async def test_a_file_made_in_etc_after_the_start_is_readable(workspace: Path) -
                 path.unlink(missing_ok=True)
 
 
-async def test_doctor_says_how_the_secrets_are_kept() -> None:
+def test_doctor_says_how_the_secrets_are_kept() -> None:
     check = doctor()["root's secrets unreadable"]
     if os.geteuid() != 0:
         assert "not root" in check.detail
