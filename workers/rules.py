@@ -14,20 +14,38 @@ helper the template forks, and each worker enters it with one system call::
 A helper, not the template itself: opening the workspace walks its path, and a hung mount
 would hang whoever does it. The template waits for the helper a bounded time; without its
 answer each worker builds the file tools' rules itself, as bash does.
+
+Root's secrets (/etc/shadow, sudoers, ssh host keys, block devices: workers.lockdown.masks())
+are covered by a mount in bash's mount namespace. A call without one (a root pool without
+CAP_SYS_ADMIN, as in a container; a file tool anywhere) would read them: it is uid 0, it owns
+them. Landlock only grants, so a domain of its own leaves them out (``SecretsLayer``): it
+handles reading files (and moves, ``SECRETS_LAYER``), and grants it on every entry of ``/``,
+except that a directory on the way to a secret (``/etc``, ``/dev``, ``/etc/ssh``) is split into
+its entries, the secrets left out. Stacked on the call's other domains, it takes from them the
+reading of the secrets and nothing else. The template builds it once (about 170 rules on a
+Debian host, 2 ms), and again before a fork when a directory it listed has changed; a worker
+enters it with one system call, after a few stats (``SecretsLayer.fresh``)::
+
+    layer 1, the call's rules    /usr /etc /opt... read, the workspace and TMPDIR read-write
+    layer 2, secrets (D)         read: /usr /home /tmp /proc..., /etc/passwd /etc/ssl...,
+                                 /dev/null /dev/pts...; not /etc/shadow, /dev/sda...
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import select
 import signal
 import socket
+import stat
 import sys
+from collections.abc import Iterator
 
 import msgspec
 
-from sandbx_pool.workers import landlock
+from sandbx_pool.workers import _libc, landlock, lockdown
 from sandbx_pool.workers.containment import set_parent_death_signal
 from sandbx_pool.workers.protocol import ExecutionContext, Sandbox
 
@@ -45,6 +63,7 @@ LOCKS = landlock.READ_FILE | landlock.MAKE_REG
 
 #: How long the template waits for the helper that builds the file tools' rules.
 FILE_RULES_TIMEOUT_S = 2.0
+_CAP_SYS_ADMIN = 21
 
 
 class Preloaded:
@@ -66,6 +85,57 @@ class Preloaded:
         self._opened: list[landlock.PathBeneath] | None = None
         if landlock.abi_version() > 0:
             self._opened = self._open()
+        #: Root's secrets, in a root pool (elsewhere file modes keep them from its calls), as a
+        #: tree and as real paths.
+        self.secrets: SecretTree = {}
+        self.secret_paths: list[str] = []
+        #: Whether bash can cover them with mounts: it needs CAP_SYS_ADMIN for a mount
+        #: namespace. Where it cannot (a container's root), the file tools take the layer too.
+        self.can_mask = bool(_libc.capget()[0] >> _CAP_SYS_ADMIN & 1)
+        self._layer: SecretsLayer | None = None
+        if os.geteuid() == 0 and landlock.abi_version() > 0:
+            self.secrets = secret_tree(lockdown.masks())
+            self.secret_paths = list(_tree_paths(self.secrets, "/"))
+            with contextlib.suppress(OSError):  # a worker tries again, and reports it
+                self._layer = SecretsLayer.build(self.secrets) if self.secrets else None
+
+    def holds_secrets(self, path: str) -> bool:
+        """Whether one of root's secrets lies beneath the real path ``path`` (a workspace of
+        ``/``: a file tool, which reads only in its workspace, then needs the layer too)."""
+        return any(within(secret, [path]) for secret in self.secret_paths)
+
+    def refresh_secrets_layer(self) -> None:
+        """In the template, before a fork: a new layer if its directories changed, so that
+        not every worker forked from now on builds its own."""
+        if self._layer is not None and not self._layer.fresh():
+            self._layer.ruleset.close()
+            self._layer = None
+            with contextlib.suppress(OSError):
+                self._layer = SecretsLayer.build(self.secrets)
+
+    def secrets_layer_fresh(self) -> bool:
+        """Whether the inherited secrets layer is there and still covers its directories."""
+        return self._layer is not None and self._layer.fresh()
+
+    def take_secrets_layer(self) -> landlock.Ruleset | None:
+        """The secrets layer, to enter (which closes it); None in a pool not run as root.
+        The inherited one while its directories are unchanged, else one built now (a few
+        milliseconds: once per worker forked before /etc, /dev or / changed)."""
+        fresh = self.secrets_layer_fresh()
+        layer, self._layer = self._layer, None
+        if not self.secrets:
+            return None
+        if layer is not None and fresh:
+            return layer.ruleset
+        if layer is not None:
+            layer.ruleset.close()
+        return SecretsLayer.build(self.secrets).ruleset
+
+    def drop_secrets_layer(self) -> None:
+        """Close the inherited layer unused (the call's mounts cover the secrets)."""
+        layer, self._layer = self._layer, None
+        if layer is not None:
+            layer.ruleset.close()
 
     def take_rules(self) -> list[landlock.PathBeneath]:
         """The fixed rules, opened, for the caller to close: the inherited descriptors the
@@ -81,8 +151,10 @@ class Preloaded:
             rule.close()
 
     def forget_rules(self) -> None:
-        """Forget the inherited descriptors, closed already by other means."""
+        """Forget the inherited descriptors (the secrets layer's too), closed already by other
+        means."""
         self._opened = None
+        self._layer = None
 
     def _open(self) -> list[landlock.PathBeneath]:
         return [r for path, rights in self._fixed if (r := landlock.PathBeneath.open(path, rights))]
@@ -103,6 +175,125 @@ def preload() -> Preloaded:
         roots = list(dict.fromkeys([*SYSTEM_READ_ONLY, *_python_dirs()]))
         _preloaded = Preloaded(last_cap, roots)
     return _preloaded
+
+
+#: What a directory was when listed for the secrets layer: path, device, inode, modification time.
+Listed = tuple[str, int, int, int]
+#: Below the root, a tree of names: a directory on the way to a secret (a dict), or a secret.
+SecretTree = dict[str, "SecretTree | None"]
+#: What the secrets layer handles: reading a file, and linking or renaming one into another
+#: directory (REFER), which any layer refuses where it does not grant it; granted here beside
+#: reading, since Landlock refuses a move that would gain a right (a secret moved to /tmp).
+SECRETS_LAYER = landlock.READ_FILE | landlock.REFER
+
+
+class SecretsLayer:
+    """A ruleset that grants reading every file but root's secrets (see the module docstring),
+    and the directories listed to build it: an entry made there since has no rule, so a layer
+    is used only while they are unchanged (``fresh``)."""
+
+    def __init__(self, ruleset: landlock.Ruleset, listed: list[Listed]) -> None:
+        self.ruleset = ruleset
+        self.listed = listed
+
+    @classmethod
+    def build(cls, tree: SecretTree) -> SecretsLayer:
+        ruleset = landlock.Ruleset(handled_fs=SECRETS_LAYER)
+        rules: list[landlock.PathBeneath] = []
+        listed: list[Listed] = []
+        try:
+            root = os.open("/", os.O_PATH | os.O_CLOEXEC)
+            _grant_beneath(root, "/", tree, rules, listed)
+            ruleset.allow_all(rules)
+        except OSError:
+            ruleset.close()
+            raise
+        finally:
+            for rule in rules:
+                rule.close()
+        return cls(ruleset, listed)
+
+    def fresh(self) -> bool:
+        """Whether each directory listed is still the one listed, holding the same names (an
+        entry made, removed or renamed changes its modification time). A few stat calls."""
+        for path, *then in self.listed:
+            try:
+                found = os.stat(path)
+            except OSError:
+                return False
+            if [found.st_dev, found.st_ino, found.st_mtime_ns] != then:
+                return False
+        return True
+
+
+def secret_tree(patterns: list[str]) -> SecretTree:
+    """The existing secrets among ``patterns`` (globs), by their real paths, as a tree."""
+    tree: SecretTree = {}
+    for path in sorted(path for pattern in patterns for path in glob.glob(pattern)):
+        real = os.path.realpath(path)
+        if not os.path.lexists(real) or real == "/":
+            continue
+        *above, name = real.strip("/").split("/")
+        node: SecretTree | None = tree
+        for part in above:
+            if node is None:
+                break  # beneath a secret already
+            node = node.setdefault(part, {})
+        if node is not None:
+            node[name] = None
+    return tree
+
+
+def _tree_paths(tree: SecretTree, above: str) -> Iterator[str]:
+    for name, subtree in tree.items():
+        path = os.path.join(above, name)
+        if subtree is None:
+            yield path
+        else:
+            yield from _tree_paths(subtree, path)
+
+
+def _grant_beneath(
+    dir_fd: int,
+    path: str,
+    tree: SecretTree,
+    rules: list[landlock.PathBeneath],
+    listed: list[Listed],
+) -> None:
+    """Rules for what lies beneath the directory ``dir_fd`` (O_PATH, taken over), which holds
+    the secrets ``tree`` names: a rule for each entry, the secrets and the symlinks left out."""
+    # The directory itself: moving files beneath it (no move may gain a read it lacked), no
+    # reading beneath it as a whole.
+    rules.append(landlock.PathBeneath(dir_fd, landlock.REFER, (0, 0)))
+    listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        found = os.fstat(listing)
+        listed.append((path, found.st_dev, found.st_ino, found.st_mtime_ns))
+        with os.scandir(listing) as scan:
+            entries = [(entry.name, entry.is_symlink()) for entry in scan]  # d_type: no stat
+    finally:
+        os.close(listing)
+    for name, is_link in entries:
+        if is_link or (name in tree and tree[name] is None):
+            continue  # a symlink: what it leads to is read as its own rules say
+        try:
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            continue  # gone since it was listed
+        subtree = tree.get(name)
+        if subtree is not None:
+            _grant_beneath(fd, os.path.join(path, name), subtree, rules, listed)
+            continue
+        if path != "/":
+            # Beside a secret, what only its owner and group may read is left out as well: the
+            # new /etc/shadow a password change writes beside the old, /dev's disks and
+            # consoles, a keytab. Not in / itself, whose entries are mount points: a stat of a
+            # hung one would hang the template (the names and d_type come from the listing).
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISLNK(mode) or not mode & stat.S_IROTH:
+                os.close(fd)
+                continue
+        rules.append(landlock.PathBeneath(fd, landlock.READ_FILE, (0, 0)))  # file or directory
 
 
 def fixed_ruleset() -> landlock.Ruleset:
@@ -266,6 +457,7 @@ def _python_dirs() -> list[str]:
 __all__ = [
     "FileRules",
     "Preloaded",
+    "SecretsLayer",
     "add_lock_rule",
     "build_file_rules",
     "fixed_ruleset",

@@ -24,7 +24,8 @@ kernel's, set up by the worker itself in two stages::
     |   capabilities        the worker's own emptied too (workers.lockdown): a file tool is
     |                       held to file modes as bash is (keep_root: a container's set, both)
     |   non-dumpable        the worker's memory (the call's secret) is closed to its commands
-    |   Landlock            filesystem rules, TCP rules, signal and abstract socket scoping
+    |   Landlock            filesystem rules, TCP rules, signal and abstract socket scoping;
+    |                       where no mount masks root's secrets, a layer that leaves them out
     |   seccomp *           the system calls past a capless uid 0 (workers.seccomp)
     v
     tool --> Result --> release(): remove TMPDIR (a tmpfs goes with the namespace anyway)
@@ -147,6 +148,8 @@ def rehearse() -> None:
     rule = landlock.PathBeneath.open("/", WRITE)
     if rule is not None:
         rule.close()
+    preload().holds_secrets("/")
+    preload().secrets_layer_fresh()
 
 
 def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confinement:
@@ -172,7 +175,7 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
     keep_root = box.keep_root and box.view is None
     try:
         _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
-        network_namespace = False
+        network_namespace = private = False
         # A folder of the pool's workspace, reached without a symlink: what the rules (or the
         # view) are then checked to have been built on, whatever a parallel call swaps meanwhile.
         anchor = paths.reach(ctx.workspace_root, box.view or ctx.workspace)
@@ -217,6 +220,24 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         rulesets = _rulesets(
             call.context, tmpdir, prepared, network_namespace, runs_programs, anchor
         )
+        # Root's secrets, where no mount of the call's covers them: a Landlock layer of their
+        # own leaves them unreadable (workers.rules.SecretsLayer). keep_root reads them, as it
+        # does where the masks would apply. A file tool has no mount namespace (but in a view,
+        # whose tree is its own, masked) and reaches only its workspace (workers.paths): it
+        # takes the layer where bash cannot mask, or when its workspace holds a secret (/).
+        preloaded = preload()
+        if runs_programs:
+            unmasked = not private and not keep_root
+        else:
+            unmasked = box.view is None and (
+                not preloaded.can_mask
+                or preloaded.holds_secrets(paths.real_workspace(ctx.workspace))
+            )
+        layer = preloaded.take_secrets_layer() if rulesets and unmasked else None
+        if layer is None:
+            preloaded.drop_secrets_layer()
+        else:
+            rulesets.append(layer)
         if box.uid is not None:
             os.setgroups(list(box.groups))
             os.setgid(box.gid if box.gid is not None else box.uid)
@@ -241,7 +262,8 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         for ruleset in rulesets:
             ruleset.restrict_self()
         if runs_programs and seccomp.supported():
-            seccomp.install()
+            # Without an IPC namespace of its own, SysV IPC would reach the host's objects.
+            seccomp.install(offline=not box.network, shared_ipc=not private)
     except (OSError, SandboxError, Denied) as exc:
         if tmpdir is not None:
             remove_tree(tmpdir)
@@ -517,8 +539,8 @@ def _rulesets(
         preload().drop_rules()
         # No filesystem rules, but a domain still (for the ptrace and scope rules): it handles
         # device-node creation, which nobody is granted.
-        handled = landlock.MAKE_CHAR | landlock.MAKE_BLOCK
-        rulesets.append(landlock.Ruleset(handled_fs=handled, scoped=SCOPES))
+        handled = landlock.MAKE_CHAR | landlock.MAKE_BLOCK | landlock.REFER
+        rulesets.append(_moves_anywhere(landlock.Ruleset(handled_fs=handled, scoped=SCOPES)))
     # What was prepared and not used: descriptors that would count against the call's limit.
     if prepared.ruleset is not None:
         prepared.ruleset.close()
@@ -528,8 +550,19 @@ def _rulesets(
     if offline and landlock.has_net_rules(abi):
         # A domain of its own, stacked: the fixed rules above were built before we knew.
         handled_net = landlock.NET_BIND_TCP | landlock.NET_CONNECT_TCP
-        rulesets.append(landlock.Ruleset(handled_net=handled_net))
+        net = landlock.Ruleset(handled_fs=landlock.REFER, handled_net=handled_net)
+        rulesets.append(_moves_anywhere(net))
     return rulesets
+
+
+def _moves_anywhere(ruleset: landlock.Ruleset) -> landlock.Ruleset:
+    """Grant linking and renaming into another directory (REFER) everywhere. Every layer that
+    handles any filesystem access refuses it where it does not grant it, and the kernel counts
+    REFER as handled by every layer, a network-only one too: without this, ``ln a/x b/`` and
+    rename(2) across directories failed with EXDEV in bash with ``network = false`` or
+    ``filesystem = "host"`` (mv copies instead; a program that renames fails)."""
+    ruleset.allow_path("/", landlock.REFER)
+    return ruleset
 
 
 __all__ = ["Confinement", "Prepared", "SandboxError", "confine", "prepare"]

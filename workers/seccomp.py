@@ -15,8 +15,19 @@ root's power. What remains is reachable without any capability, which this filte
   fchmodat(2), creat, open/openat with O_CREAT or O_TMPFILE, mknod(at), whenever the mode has
   06000 bits. The owner of a file (root, of what root makes) needs no capability for these.
   mkdir needs no rule: the kernel drops those bits from its mode;
-* packet sockets (AF_PACKET: a copy of every frame on an interface, loopback included) and
-  TIOCSTI (typing into the terminal of whoever reads it next);
+* sockets no namespace holds (socket and socketpair, by address family): AF_PACKET (a copy of
+  every frame on an interface, loopback included), AF_VSOCK (nothing namespaces it: on a virtual
+  machine it reaches the hypervisor's services, as in Docker's default profile) and netlink's
+  NETLINK_KOBJECT_UEVENT (the host's device events, delivered into every network namespace);
+  with ``network = false``, every family but AF_UNIX, AF_INET, AF_INET6 and netlink's
+  NETLINK_ROUTE (which ip and getaddrinfo read): Bluetooth, CAN, AF_ALG, X.25, TIPC... reach
+  past a network namespace or stand in for one that could not be made;
+* SysV IPC (shmget, shmat, shmctl, semget, semop, semtimedop, semctl, msgget, msgsnd, msgrcv,
+  msgctl) and POSIX message queues (mq_open, mq_unlink), only where the call could not have an
+  IPC namespace of its own (a pool without CAP_SYS_ADMIN): they would reach the host's objects,
+  every 0600 segment root made among them. Neither architecture has ipc() or socketcall(),
+  whose one number multiplexes these (i386 has both: its calls are killed, below);
+* TIOCSTI (typing into the terminal of whoever reads it next);
 * prlimit64 on another process: the call's own worker, whose limits it could lower until the
   worker fails at its last step after the command (workers.protected).
 
@@ -26,10 +37,14 @@ does not fall back: Python could no longer start a thread.) A system call of ano
 architecture (i386 through int 0x80 on x86_64) or x32's kills the process: the numbers would
 mean other calls.
 
-Hand-written classic BPF rather than libseccomp: about 80 instructions, built once per pool in
-the template (``prepare``), installed with two system calls; no library to install, no ctypes
-binding to keep in step with it. x86_64 and aarch64; elsewhere ``supported()`` is False and
-the doctor says the filter is missing.
+Every refusal above is EPERM, but for clone3 and openat2: a program sees a refusal, not a
+missing feature (EAFNOSUPPORT, ENOSYS), and says so.
+
+Hand-written classic BPF rather than libseccomp: 90 to 150 instructions, in four variants (the
+network on or off, an IPC namespace or none) built once per pool in the template
+(``prepare``), installed with two system calls; no library to install, no ctypes binding to
+keep in step with it. x86_64 and aarch64; elsewhere ``supported()`` is False and the doctor
+says the filter is missing.
 """
 
 from __future__ import annotations
@@ -49,7 +64,10 @@ _OFF_NR, _OFF_ARCH = 0, 4  # struct seccomp_data: int nr; u32 arch; u64 ip; u64 
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
 _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC = 1, 1
-_X32_BIT, _SETID, _AF_PACKET, _TIOCSTI = 0x40000000, 0o6000, 17, 0x5412
+_X32_BIT, _SETID, _TIOCSTI = 0x40000000, 0o6000, 0x5412
+# Address families (socket's argument 0) and netlink protocols (its argument 2).
+AF_UNIX, AF_INET, AF_INET6, AF_NETLINK, AF_PACKET, AF_VSOCK = 1, 2, 10, 16, 17, 40
+NETLINK_ROUTE, NETLINK_KOBJECT_UEVENT = 0, 15
 _CREATES = 0o100 | 0o20000000  # O_CREAT | __O_TMPFILE: when open's mode argument counts
 
 # Syscall numbers, x86_64 then aarch64 (which has only the *at forms; 0: absent).
@@ -83,6 +101,20 @@ _NUMBERS: dict[str, tuple[int, int]] = {
     "mknod": (133, 0),
     "mknodat": (259, 33),
     "socket": (41, 198),
+    "socketpair": (53, 199),
+    "shmget": (29, 194),
+    "shmat": (30, 196),
+    "shmctl": (31, 195),
+    "semget": (64, 190),
+    "semop": (65, 193),
+    "semtimedop": (220, 192),
+    "semctl": (66, 191),
+    "msgget": (68, 186),
+    "msgsnd": (69, 189),
+    "msgrcv": (70, 188),
+    "msgctl": (71, 187),
+    "mq_open": (240, 180),
+    "mq_unlink": (241, 181),
     "ioctl": (16, 29),
     "prlimit64": (302, 261),
 }
@@ -91,12 +123,18 @@ _NUMBERS: dict[str, tuple[int, int]] = {
 class _Rule(NamedTuple):
     syscall: str
     action: int
-    # All must hold (none: always). A test on an argument's low 32 bits: "any" (arg & k) or
-    # "eq" (arg == k). Every argument tested here is one the kernel reads as 32 bits or fewer
-    # (mode, flags, domain, cmd), or clone's flags, whose CLONE_NEWUSER bit is in the low half.
+    # All must hold (none: always). A test on an argument's low 32 bits: "any" (arg & k), "eq"
+    # (arg == k) or "ne" (arg != k). Every argument tested here is one the kernel reads as 32
+    # bits or fewer (mode, flags, domain, protocol, cmd), or clone's flags, whose CLONE_NEWUSER
+    # bit is in the low half: high bits a caller sets are bits the kernel never looks at.
     when: tuple[tuple[str, int, int], ...] = ()
 
 
+_SOCKETS = ("socket", "socketpair")  # the same arguments: domain, type, protocol
+_UNHELD = (AF_PACKET, AF_VSOCK)  # families no namespace of the call's holds
+_UEVENTS = (("eq", 0, AF_NETLINK), ("eq", 2, NETLINK_KOBJECT_UEVENT))
+
+#: Always, in this order (a system call's rules are tried in turn; the first that holds acts).
 _RULES = [
     *[_Rule(name, EPERM) for name in ("io_uring_setup", "io_uring_enter", "io_uring_register")],
     _Rule("perf_event_open", EPERM),
@@ -117,7 +155,8 @@ _RULES = [
     _Rule("openat", EPERM, (("any", 2, _CREATES), ("any", 3, _SETID))),
     _Rule("mknod", EPERM, (("any", 1, _SETID),)),  # S_IFREG | 04755 makes a setuid file too
     _Rule("mknodat", EPERM, (("any", 2, _SETID),)),
-    _Rule("socket", EPERM, (("eq", 0, _AF_PACKET),)),  # netlink stays: ip and ss need it
+    *[_Rule(name, EPERM, (("eq", 0, family),)) for name in _SOCKETS for family in _UNHELD],
+    *[_Rule(name, EPERM, _UEVENTS) for name in _SOCKETS],
     _Rule("ioctl", EPERM, (("eq", 1, _TIOCSTI),)),
     # Another process's limits (pid, argument 0, not 0): a command could lower its worker's
     # descriptors or CPU time, and the worker could then not set aside what the call made of a
@@ -125,14 +164,44 @@ _RULES = [
     _Rule("prlimit64", EPERM, (("any", 0, 0xFFFFFFFF),)),
 ]
 
+#: With ``network = false``: no family but these (netlink for NETLINK_ROUTE only).
+_ONLINE_FAMILIES = (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK)
+_OFFLINE_RULES = [
+    *[_Rule(name, EPERM, tuple(("ne", 0, f) for f in _ONLINE_FAMILIES)) for name in _SOCKETS],
+    *[_Rule(name, EPERM, (("eq", 0, AF_NETLINK), ("ne", 2, NETLINK_ROUTE))) for name in _SOCKETS],
+]
+
+#: Without an IPC namespace of the call's own: the host's SysV objects and POSIX queues.
+_SHARED_IPC_RULES = [
+    _Rule(name, EPERM)
+    for group in (
+        ("shmget", "shmat", "shmctl"),
+        ("semget", "semop", "semtimedop", "semctl"),
+        ("msgget", "msgsnd", "msgrcv", "msgctl"),
+        ("mq_open", "mq_unlink"),
+    )
+    for name in group
+]
+
 Program = tuple[tuple[int, int, int, int], ...]  # (code, jt, jf, k)
 
 
 @functools.cache
-def build_filter(arch: str) -> Program:
-    """The program for one architecture's syscall numbers, jumps resolved from labels."""
+def build_filter(arch: str, *, offline: bool = False, shared_ipc: bool = False) -> Program:
+    """The program for one architecture's syscall numbers, jumps resolved from labels.
+
+    ``offline``: the call has ``network = false``. ``shared_ipc``: it has no IPC namespace of
+    its own. Each adds its rules after the ones that always apply."""
     index = list(_AUDIT_ARCH).index(arch)
-    rules = [rule for rule in _RULES if _NUMBERS[rule.syscall][index]]
+    chosen = [
+        *_RULES,
+        *(_OFFLINE_RULES if offline else ()),
+        *(_SHARED_IPC_RULES if shared_ipc else ()),
+    ]
+    by_syscall: dict[str, list[_Rule]] = {}
+    for rule in chosen:
+        if _NUMBERS[rule.syscall][index]:
+            by_syscall.setdefault(rule.syscall, []).append(rule)
     code: list[tuple[int, str | None, str | None, int]] = []  # forward jumps to labels
     labels: dict[str, int] = {}
 
@@ -144,19 +213,32 @@ def build_filter(arch: str) -> Program:
     op(_LD_W_ABS, _OFF_NR)
     if arch == "x86_64":
         op(_JSET_K, _X32_BIT, jt="kill")
-    for rule in rules:  # an unconditional rule jumps straight to a shared return
-        target = rule.syscall if rule.when else str(rule.action)
-        op(_JEQ_K, _NUMBERS[rule.syscall][index], jt=target)
+    for name, rules in by_syscall.items():  # an unconditional rule: straight to a shared return
+        target = f"{name}.0" if rules[0].when else str(rules[0].action)
+        op(_JEQ_K, _NUMBERS[name][index], jt=target)
     op(_RET_K, _RET_ALLOW)
-    for rule in rules:
-        if rule.when:
-            labels[rule.syscall] = len(code)
+    for name, rules in by_syscall.items():
+        if not rules[0].when:
+            continue  # unconditional: nothing after it is ever tried
+        for i, rule in enumerate(rules):
+            labels[f"{name}.{i}"] = len(code)
+            # The next rule of this system call when a test fails; allow after the last.
+            fails = f"{name}.{i + 1}" if i + 1 < len(rules) else "allow"
+            loaded = None
             for test, arg, k in rule.when:
-                op(_LD_W_ABS, 16 + 8 * arg)  # args[arg]'s low half (little-endian)
-                op(_JSET_K if test == "any" else _JEQ_K, k, jf="allow")
+                if arg != loaded:  # args[arg]'s low half (little-endian)
+                    op(_LD_W_ABS, 16 + 8 * arg)
+                    loaded = arg
+                if test == "ne":
+                    op(_JEQ_K, k, jt=fails)
+                else:
+                    op(_JSET_K if test == "any" else _JEQ_K, k, jf=fails)
             op(_RET_K, rule.action)
+            if not rule.when:
+                break
     names = {_RET_ALLOW: "allow", _RET_KILL_PROCESS: "kill"}
-    for action in (*names, *sorted({rule.action for rule in rules if not rule.when})):
+    unconditional = {rules[0].action for rules in by_syscall.values() if not rules[0].when}
+    for action in (*names, *sorted(unconditional)):
         labels[names.get(action, str(action))] = len(code)
         op(_RET_K, action)
 
@@ -173,9 +255,15 @@ def supported() -> bool:
     return platform.machine() in _AUDIT_ARCH
 
 
-def number(name: str) -> int:
-    """This machine's number of a system call the filter names (for probes and tests)."""
-    return _NUMBERS[name][list(_AUDIT_ARCH).index(platform.machine())]
+def number(name: str, arch: str | None = None) -> int:
+    """The number of a system call the filter names, on ``arch`` (default: this machine's),
+    for probes and tests; 0 where the architecture lacks it."""
+    return _NUMBERS[name][list(_AUDIT_ARCH).index(arch or platform.machine())]
+
+
+def audit_arch(arch: str) -> int:
+    """The AUDIT_ARCH value seccomp reports for ``arch`` (struct seccomp_data's ``arch``)."""
+    return _AUDIT_ARCH[arch]
 
 
 class _SockFilter(ctypes.Structure):
@@ -192,24 +280,32 @@ class _SockFprog(ctypes.Structure):
 
 
 @functools.cache
-def _fprog(arch: str) -> tuple[_SockFprog, ctypes.Array[_SockFilter]]:
-    program = build_filter(arch)  # the array is returned too, to live as long as the fprog
+def _fprog(
+    arch: str, offline: bool, shared_ipc: bool
+) -> tuple[_SockFprog, ctypes.Array[_SockFilter]]:
+    # The array is returned too, to live as long as the fprog.
+    program = build_filter(arch, offline=offline, shared_ipc=shared_ipc)
     instructions = (_SockFilter * len(program))(*(_SockFilter(*insn) for insn in program))
     return _SockFprog(len(program), instructions), instructions
 
 
 def prepare() -> None:
-    """In the template, before forking: every worker then shares the built program."""
+    """In the template, before forking: every worker then shares the built programs."""
     if supported():
-        _fprog(platform.machine())
+        for offline in (False, True):
+            for shared_ipc in (False, True):
+                _fprog(platform.machine(), offline, shared_ipc)
 
 
-def install() -> None:
-    """Enforce the filter on this process and all it starts (needs no_new_privs set first)."""
+def install(*, offline: bool = False, shared_ipc: bool = False) -> None:
+    """Enforce the filter on this process and all it starts (needs no_new_privs set first).
+
+    ``offline``: refuse every address family but the four ``network = false`` leaves;
+    ``shared_ipc``: refuse SysV IPC and POSIX queues (the call has no IPC namespace)."""
     arch = platform.machine()
     if arch not in _AUDIT_ARCH:
         raise OSError(errno.ENOSYS, f"no seccomp filter for {arch}")
-    fprog = ctypes.byref(_fprog(arch)[0])
+    fprog = ctypes.byref(_fprog(arch, offline, shared_ipc)[0])
     _libc.syscall(
         "seccomp", _SYS_SECCOMP[arch], _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, fprog
     )

@@ -203,6 +203,8 @@ class Template:
         self.next_token += 1
         if self.next_token % COLLECT_EVERY_FORKS == 0:
             gc.collect()  # automatic collection is off (see warm_up)
+        # A few stats: a worker whose secrets layer is out of date would build its own.
+        rules.preload().refresh_secrets_layer()
         # Reaping between tries: a pid comes back only when its zombie is reaped.
         pid = cgroups.fork_with_backoff(self.fork_once, on_retry=self.reap)
         if pid == 0:

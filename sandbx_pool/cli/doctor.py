@@ -3,7 +3,9 @@
 Every line is a probe, not a guess from the kernel version: the namespace and Landlock probes
 run in a throwaway child process (they change the process that makes them), the rest here.
 
-    doctor --> python -c _probe_child() --> unshare(PID, mount, network), prctl, Landlock
+    doctor --> python -c _probe_child() --> the secrets layer (in a child of its own),
+                                            unshare(PID, mount, network), prctl, seccomp,
+                                            Landlock
            <-- JSON: what each step allowed
     doctor --> pidfd, cgroup v2 (mkdir + rmdir of a child group), FUSE, ZeroMQ peer pid,
                the rg binary grep runs (rg --version)
@@ -26,7 +28,7 @@ from typing import Any
 import msgspec
 
 from sandbx_pool.interpreter import CHILD_CWD, PACKAGE_PARENT, python_command
-from sandbx_pool.workers import _libc, cgroups, immortal, landlock, lockdown, seccomp
+from sandbx_pool.workers import _libc, cgroups, immortal, landlock, lockdown, rules, seccomp
 from sandbx_pool.workers.rg_binary import find_rg, symlinks_refused
 
 
@@ -40,6 +42,8 @@ class Check(msgspec.Struct, frozen=True):
 def _child_probes() -> dict[str, Any]:
     """Run in a disposable child: each probe changes this process for good."""
     found: dict[str, Any] = {}
+    # First, while /etc/shadow is as a worker without a mount namespace would find it.
+    found["secrets_left_out"] = _secrets_layer_probe()
     found["pid_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWPID) == 0
     mount_ns = _libc.try_unshare(_libc.CLONE_NEWNS) == 0
     # The recursive slave mount is the step the worker cannot do without (see sandbox.py).
@@ -63,11 +67,17 @@ def _child_probes() -> dict[str, Any]:
         )
     except OSError:
         found["root_locked_out"] = False
-    found["seccomp"] = False
+    found["seccomp"] = found["seccomp_sockets"] = found["seccomp_ipc"] = False
     if seccomp.supported() and found["no_new_privs"]:
-        seccomp.install()
+        seccomp.install(offline=True, shared_ipc=True)
         # keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_KEYRING): the filter must refuse it.
         found["seccomp"] = _libc.try_syscall(seccomp.number("keyctl"), 0, -4, 0) == errno.EPERM
+        vsock = _libc.try_syscall(seccomp.number("socket"), seccomp.AF_VSOCK, 1, 0)
+        uevent = _libc.try_syscall(seccomp.number("socket"), seccomp.AF_NETLINK, 2, 15)
+        found["seccomp_sockets"] = vsock == uevent == errno.EPERM
+        # shmget(IPC_PRIVATE, 4096, IPC_CREAT | 0600): refused before it reaches the kernel.
+        ipc = _libc.try_syscall(seccomp.number("shmget"), 0, 4096, 0o1600)
+        found["seccomp_ipc"] = ipc == errno.EPERM
     found["landlock_enforced"] = False
     if landlock.abi_version() > 0 and found["no_new_privs"]:
         ruleset = landlock.Ruleset(handled_fs=landlock.READ_FILE)
@@ -78,6 +88,65 @@ def _child_probes() -> dict[str, Any]:
         except PermissionError:
             found["landlock_enforced"] = True
     return found
+
+
+def _secrets_layer_probe() -> bool | None:
+    """Whether the secrets layer (workers.rules.SecretsLayer) keeps /etc/shadow from a root
+    that reads it without the layer, and leaves /etc/passwd readable. In a child, since a
+    Landlock domain is for good; None where nothing can read it anyway (not root)."""
+    if os.geteuid() != 0 or landlock.abi_version() == 0 or not os.path.exists("/etc/shadow"):
+        return None
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        answer = b"0"
+        try:
+            _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1)
+            with open("/etc/shadow", "rb"):
+                pass  # readable without the layer: root
+            rules.SecretsLayer.build(rules.secret_tree(lockdown.masks())).ruleset.restrict_self()
+            with open("/etc/passwd", "rb"):
+                pass
+            try:
+                with open("/etc/shadow", "rb"):
+                    pass
+            except PermissionError:
+                answer = b"1"
+        except OSError:
+            pass
+        os.write(write_end, answer)
+        os._exit(0)
+    os.close(write_end)
+    try:
+        return os.read(read_end, 1) == b"1"
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+
+
+def _secrets_check(child: dict[str, Any]) -> Check:
+    """How root's secrets are kept from the calls: a mount, a Landlock layer, file modes."""
+    masked, left_out = bool(child.get("secrets_masked")), bool(child.get("secrets_left_out"))
+    secrets = "/etc/shadow, gshadow, sudoers, ssh host keys, block devices"
+    mount = f"bash: an empty, mode-0 mount over each of {secrets} (its mount namespace)"
+    layer = (
+        f"a Landlock layer grants reading every file but {secrets} (verified: /etc/shadow"
+        " refused, /etc/passwd read)"
+    )
+    if os.geteuid() != 0:
+        detail = "the pool is not root: file modes keep /etc/shadow, sudoers, host keys from it"
+    elif masked:
+        tools = layer if left_out else "their path checks only (no Landlock)"
+        detail = f"{mount}; the file tools, which have none: {tools}"
+    else:
+        detail = f"no mount namespace to mask them in: for bash and the file tools, {layer}"
+    return Check(
+        "root's secrets unreadable",
+        os.geteuid() != 0 or masked or left_out,
+        detail,
+        "a command running as root reads /etc/shadow (it owns it): no mount namespace to mask"
+        " it in, no Landlock to leave it out",
+    )
 
 
 def _mount_probes() -> dict[str, bool]:
@@ -314,23 +383,22 @@ def diagnose() -> list[Check]:
         ),
         Check(
             "seccomp filter",
-            bool(child.get("seccomp")),
-            "no io_uring, ptrace, keyrings, user namespaces, packet sockets, set-uid files"
-            " (workers/seccomp.py)",
-            "not x86_64/aarch64 or no seccomp: those system calls stay open",
+            bool(child.get("seccomp")) and bool(child.get("seccomp_sockets")),
+            "no io_uring, ptrace, keyrings, user namespaces, set-uid files; no AF_PACKET,"
+            " AF_VSOCK or uevent netlink socket, and with network = false no family but"
+            " AF_UNIX, AF_INET, AF_INET6 and netlink route: EPERM (workers/seccomp.py)",
+            "not x86_64/aarch64 or no seccomp: those system calls and sockets stay open",
         ),
         Check(
             "IPC namespaces",
             bool(child.get("ipc_namespaces")),
             "each bash call has SysV shared memory, semaphores and queues of its own",
-            "calls share the host's SysV IPC objects",
+            "SysV IPC and POSIX queue calls fail with EPERM (seccomp): the host's objects stay"
+            " out of reach, and a program that needs SysV shared memory fails"
+            if child.get("seccomp_ipc")
+            else "calls share the host's SysV IPC objects",
         ),
-        Check(
-            "root's secrets masked",
-            bool(child.get("secrets_masked")),
-            "/etc/shadow, sudoers, ssh host keys, block devices read as empty in bash's mounts",
-            "a command running as root reads /etc/shadow (it owns it)",
-        ),
+        _secrets_check(child),
         Check(
             "private TMPDIR",
             bool(child.get("private_tmpdir")),
