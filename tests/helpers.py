@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
+import select
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -47,6 +49,8 @@ def wait_until_sync(
 def fifo_has_reader(path: str | os.PathLike[str]) -> bool:
     """True while one of this test session's processes holds the FIFO ``path`` open, or is
     blocked opening a FIFO (which one is not exposed by the kernel; tests use one at a time)."""
+    if os.fspath(path) in _held_writers or not procfs_shows_workers():
+        return _reader_behind_our_writer(os.fspath(path))
     return bool(fifo_readers(path))
 
 
@@ -73,6 +77,50 @@ def fifo_readers(path: str | os.PathLike[str]) -> list[int]:
                         found.append(int(entry))
                         break
     return found
+
+
+def procfs_shows_workers() -> bool:
+    """Whether this process may read a worker's /proc/PID/fd and wchan. A worker is not
+    dumpable (it holds its call's secret), so only a holder of CAP_SYS_PTRACE over it may: root
+    on a host, not an unprivileged user nor a container's root (Docker's default set)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("CapEff:"))
+    return bool(int(line.split()[1], 16) & (1 << 19))  # CAP_SYS_PTRACE
+
+
+#: Where /proc hides the workers: the write end this test holds of each FIFO a reader opened.
+_held_writers: dict[str, int] = {}
+
+
+def _reader_behind_our_writer(path: str) -> bool:
+    """``fifo_has_reader`` where /proc hides the reader. A non-blocking open for writing
+    succeeds only while a reader has the FIFO open or is opening it; it completes that reader's
+    open, and the reader then blocks in read(), not open(), for as long as this test holds the
+    write end (it never writes, so the reader never reads EOF). Once held, the write end reports
+    POLLERR when no reader is left."""
+    fd = _held_writers.get(path)
+    if fd is None:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no reader yet
+                return False
+            raise
+        _held_writers[path] = fd
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    if any(events & select.POLLERR for _, events in poller.poll(0)):
+        del _held_writers[path]
+        os.close(fd)
+        return False
+    return True
+
+
+def release_held_fifos() -> None:
+    """Close the write ends ``fifo_has_reader`` held (conftest does, after each test)."""
+    while _held_writers:
+        os.close(_held_writers.popitem()[1])
 
 
 def alive(pid: int) -> bool:
