@@ -171,6 +171,9 @@ class SandboxSettings(_Section):
     tmp_size_mb: Annotated[int, Meta(ge=1, le=1 << 20)] = 512
     #: Commands keep a container's default capabilities and see root's secrets (not by default).
     keep_root: bool = False
+    #: A pool without root makes each worker in a user namespace of its own, where the kernel
+    #: allows (workers.containment.UserNamespaces); false: never, the fallbacks instead.
+    user_namespaces: bool = True
 
     def user(self) -> tuple[int, int, tuple[int, ...]] | None:
         """``run_as`` as (uid, gid, groups); a ConfigError if unknown or if we are not root."""
