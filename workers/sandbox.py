@@ -20,7 +20,8 @@ kernel's, set up by the worker itself in two stages::
     |   network = false *   a network namespace of its own
     |   bounding set *      emptied, securebits locked: nothing exec'd gains a capability
     |   run_as              setgroups, setgid, setuid
-    |   capabilities *      the worker's own emptied too (workers.lockdown)
+    |   capabilities *      the worker's own emptied too (workers.lockdown); in a user
+    |                       namespace of its own (a pool without root) a file tool's too
     |   non-dumpable        the worker's memory (the call's secret) is closed to its commands
     |   Landlock            filesystem rules, TCP rules, signal and abstract socket scoping
     |   seccomp *           the system calls past a capless uid 0 (workers.seccomp)
@@ -31,6 +32,11 @@ kernel's, set up by the worker itself in two stages::
 
 The mount namespace is made per call, not while idle: a copy of the mount table taken before
 the call would hide whatever was mounted since (the NFS share, the FUSE mount the call is about).
+
+A pool without root makes each worker in a user namespace of its own where the kernel allows
+(workers.containment.UserNamespaces): the worker then holds the capabilities every step needs,
+over its own namespaces, and takes them all, as a root worker does; what needs root itself
+(run_as, masks over what the pool's user cannot open anyway) is left out.
 
 Each step applies where the machine permits it and is skipped where it does not
 (``sandbx-pool doctor`` shows which); ``network = false`` alone refuses the call when nothing
@@ -51,7 +57,7 @@ import os
 import msgspec
 
 from sandbx_pool.workers import _libc, landlock, lockdown, paths, protected, seccomp, users, view
-from sandbx_pool.workers.containment import in_own_pid_namespace
+from sandbx_pool.workers.containment import in_own_pid_namespace, in_own_user_namespace
 from sandbx_pool.workers.errors import Denied, ToolError
 from sandbx_pool.workers.protocol import Call, ExecutionContext, Sandbox
 from sandbx_pool.workers.rules import (
@@ -156,8 +162,10 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
     box = ctx.sandbox
     tmpdir: str | None = None
     owner = _tmp_owner(box, call.args)
-    # A view's calls are capless whatever keep_root says: the view is there to hold them.
-    keep_root = box.keep_root and box.view is None
+    # A view's calls are capless whatever keep_root says: the view is there to hold them. So
+    # are a user namespace's: there is no root there to keep, only the namespace's capabilities.
+    own_user_namespace = in_own_user_namespace()
+    keep_root = box.keep_root and box.view is None and not own_user_namespace
     try:
         _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
         network_namespace = False
@@ -207,11 +215,14 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             os.setgroups(list(box.groups))
             os.setgid(box.gid if box.gid is not None else box.uid)
             os.setuid(box.uid)
-        if (runs_programs and not keep_root) or (box.view is not None and not runs_programs):
+        capless_file_tool = not runs_programs and (box.view is not None or own_user_namespace)
+        if (runs_programs and not keep_root) or capless_file_tool:
             # bash's `user` switches in the command's child, after the fork: the worker keeps
             # CAP_SETUID and CAP_SETGID for it (the bounding set is empty, so the command,
             # exec'd as that user, holds nothing). A file tool's `user` switches the worker
-            # itself, which then runs only our own code.
+            # itself, which then runs only our own code. A file tool in a user namespace of its
+            # own drops what it holds there (CAP_DAC_OVERRIDE over the pool's user's files,
+            # CAP_SYS_ADMIN over its namespaces): it execs nothing, so its bounding set can stay.
             switches = owner is not None and box.uid is None and owner[0] != os.getuid()
             lockdown.drop_all_capabilities(keep_user_switch=switches)
         # After setuid, which resets it. Same-user processes (bash, capless) may then neither
@@ -382,7 +393,10 @@ def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | 
     symlink to ``/`` after the walk would otherwise be entered."""
     assert box.view is not None
     if not _private_mounts(box, None, owner, [box.view]):
-        raise SandboxError("a view needs a mount namespace of the call's own: run the pool as root")
+        raise SandboxError(
+            "a view needs a mount namespace of the call's own: run the pool as root, or where"
+            " user namespaces are allowed ([sandbox] user_namespaces)"
+        )
     try:
         view.enter(box.view)
         entered = os.stat("/")
