@@ -172,6 +172,9 @@ class SandboxSettings(_Section):
     #: Commands and file tools keep a container's default capabilities, commands see root's
     #: secrets (not by default: all are capless, so file modes hold against them).
     keep_root: bool = False
+    #: A pool without root makes each worker in a user namespace of its own, where the kernel
+    #: allows (workers.containment.UserNamespaces); false: never, the fallbacks instead.
+    user_namespaces: bool = True
 
     def user(self) -> tuple[int, int, tuple[int, ...]] | None:
         """``run_as`` as (uid, gid, groups); a ConfigError if unknown or if we are not root."""

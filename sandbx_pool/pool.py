@@ -214,6 +214,7 @@ class Pool:
                 self._on_template_lost,
                 nofile=inherited_nofile,
                 warm_up=self.config.pool.warm_up,
+                user_namespaces=self.config.sandbox.user_namespaces,
             )
             self._remains.launch = self._template.launch
             self._remains.sockets.append(self._template.socket)

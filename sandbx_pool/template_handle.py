@@ -3,7 +3,8 @@
 The process itself is started by ``sandbx_pool.template_launch`` (possibly before this pool
 existed: the one-shot command line launches it first thing); this is the pool's side of it.
 Messages travel over a SOCK_SEQPACKET socketpair read on the event loop; the first one we send
-says where workers connect (``Attach``).
+says where workers connect and whether they may be made in user namespaces (``Attach``), and
+the template answers it with ``TemplateReady``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ class TemplateHandle:
         nofile: tuple[int, int] | None = None,
         *,
         warm_up: bool = True,
+        user_namespaces: bool = True,
     ) -> None:
         self._endpoint = endpoint
+        self._user_namespaces = user_namespaces
         self._on_message = on_message
         self._on_lost = on_lost
         # One the command line started for us, if any; else ours, started now.
@@ -56,6 +59,8 @@ class TemplateHandle:
         self._ready: asyncio.Future[TemplateReady] | None = None
         self.pid: int | None = None
         self.containment: str | None = None
+        #: Each worker is made in a user namespace of its own (a pool without root).
+        self.user_namespaces = False
         #: The template's pids cgroup, where each worker's lives; None: [limits] processes is
         #: not enforced, for the reason in ``process_limit_why``.
         self.pids_cgroup: str | None = None
@@ -76,7 +81,8 @@ class TemplateHandle:
         # Queued until the template reads it, once ready: a stream of messages, so it comes
         # before any PrebuildFileRules or Spawn.
         with contextlib.suppress(OSError):  # a template gone already: its EOF reports it
-            self._sock.send(encoder.encode(Attach(endpoint=self._endpoint)))
+            attach = Attach(endpoint=self._endpoint, user_namespaces=self._user_namespaces)
+            self._sock.send(encoder.encode(attach))
         if not self.launch.started.is_set():
             await asyncio.to_thread(self.launch.started.wait)
         if self.launch.error is not None:
@@ -88,8 +94,14 @@ class TemplateHandle:
             raise TemplateLost("the worker template did not start in time") from None
         self.pid = ready.pid
         self.containment = ready.containment
+        self.user_namespaces = ready.user_namespaces
         self.pids_cgroup, self.process_limit_why = ready.pids_cgroup, ready.process_limit_why
-        logger.debug("worker template {} up, containment {}", ready.pid, ready.containment)
+        logger.debug(
+            "worker template {} up, containment {}{}",
+            ready.pid,
+            ready.containment,
+            " (a user namespace per worker)" if ready.user_namespaces else "",
+        )
         if ready.pids_cgroup is None:
             logger.debug("per-call process limit not enforced: {}", ready.process_limit_why)
 

@@ -1,17 +1,27 @@
-"""Shared fixtures. Every test is checked for processes it left behind."""
+"""Shared fixtures. Every test is checked for processes it left behind.
+
+``@pytest.mark.needs("mount namespaces", ...)``: the test asserts a protection ``sandbx-pool
+doctor`` names, and is skipped, with doctor's reason, where doctor reports it absent (a pool
+not run as root where user namespaces are refused, a container without CAP_SYS_ADMIN...).
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from loguru import logger
 
 from sandbx_pool import Config, Pool
+
+if TYPE_CHECKING:
+    from sandbx_pool.cli.doctor import Check
 
 #: Marks every process this test session starts: the template and workers inherit it from our
 #: environment, and tools' commands get it through the pool's env (see ``marked_config``).
@@ -161,3 +171,25 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+@functools.cache
+def doctor_checks() -> dict[str, Check]:
+    """What ``sandbx-pool doctor`` reports here, by check name: probed once per session."""
+    from sandbx_pool.cli.doctor import diagnose
+
+    return {check.name: check for check in diagnose()}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "needs(*checks): skip unless sandbx-pool doctor says yes to each check"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker in item.iter_markers("needs"):
+        for name in marker.args:
+            check = doctor_checks()[name]  # a KeyError: a check doctor does not have
+            if not check.ok:
+                pytest.skip(f"doctor: no {name} -> {check.fallback}")

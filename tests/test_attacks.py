@@ -1,4 +1,6 @@
-"""Attacks that got through a root pool with the default config, each closed since.
+"""Attacks that got through a root pool with the default config, each closed since (and run
+wherever doctor reports the protection they need: as a user too, where user namespaces are
+allowed).
 
 Run as a hostile model would, through ``Pool.call`` only, and checked from the host's side:
 the host's own ``git commit`` (does a planted hook run?), the journal's records, the next call.
@@ -32,8 +34,6 @@ from conftest import marked_config
 from sandbx_pool import Pool, Status
 from sandbx_pool.batch.calls import parse_batch
 from sandbx_pool.batch.run import run_batch
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks need a pool run as root")
 
 _GIT = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
 
@@ -83,7 +83,7 @@ def _host_commit(workspace: Path) -> subprocess.CompletedProcess[str]:
 # -- git's code paths ------------------------------------------------------------------------------
 
 
-@needs_root
+@pytest.mark.needs("protected paths")
 async def test_a_repository_a_call_makes_keeps_no_hook_or_config(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
@@ -106,7 +106,7 @@ async def test_a_repository_a_call_makes_keeps_no_hook_or_config(
     assert _commits(workspace) == 2
 
 
-@needs_root
+@pytest.mark.needs("protected paths")
 async def test_a_timed_out_call_keeps_no_hook_either(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
@@ -124,7 +124,7 @@ async def test_a_timed_out_call_keeps_no_hook_either(
     assert not marker.exists()
 
 
-@needs_root
+@pytest.mark.needs("protected paths")
 async def test_a_git_file_a_call_makes_cannot_point_git_at_its_hooks(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
@@ -142,7 +142,7 @@ async def test_a_git_file_a_call_makes_cannot_point_git_at_its_hooks(
     assert not marker.exists()
 
 
-@needs_root
+@pytest.mark.needs("protected paths", "PID namespaces")
 async def test_a_call_cannot_disarm_its_worker_before_the_hook_is_set_aside(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
@@ -160,7 +160,7 @@ async def test_a_call_cannot_disarm_its_worker_before_the_hook_is_set_aside(
     assert not marker.exists()
 
 
-@needs_root
+@pytest.mark.needs("protected paths")
 async def test_the_git_directory_cannot_be_swapped_for_a_writable_copy(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
@@ -182,7 +182,7 @@ async def test_the_git_directory_cannot_be_swapped_for_a_writable_copy(
     assert not marker.exists()
 
 
-@needs_root
+@pytest.mark.needs("protected paths")
 async def test_a_commondir_cannot_send_git_elsewhere(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
@@ -206,7 +206,7 @@ async def test_a_commondir_cannot_send_git_elsewhere(
 # -- a call's own workspace or view ---------------------------------------------------------------
 
 
-@needs_root
+@pytest.mark.needs("mount namespaces")
 async def test_a_calls_workspace_or_view_is_never_a_planted_symlink(
     pool: Pool, workspace: Path, tmp_path: Path
 ) -> None:
@@ -274,7 +274,7 @@ async def test_an_output_file_is_never_written_through_a_planted_symlink(
 # -- the journal ----------------------------------------------------------------------------------
 
 
-@needs_root
+@pytest.mark.needs("mount namespaces")
 @pytest.mark.parametrize("where", ["run.jsonl", "logs/run.jsonl"])
 async def test_a_journal_in_the_workspace_is_out_of_every_calls_reach(
     workspace: Path, where: str

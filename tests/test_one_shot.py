@@ -103,15 +103,16 @@ def test_a_spawn_before_attach_is_refused_not_fatal() -> None:
     launched = TemplateLaunch(warm_up=False, nofile=None)
     try:
         launched.socket.settimeout(CHILD_S)
-        ready = from_template_decoder.decode(launched.socket.recv(65536))
-        assert isinstance(ready, TemplateReady)
         launched.socket.send(encoder.encode(Spawn(count=2)))
         refused = from_template_decoder.decode(launched.socket.recv(65536))
         assert isinstance(refused, SpawnFailed)
         assert refused.count == 2
         assert "Attach" in refused.error
-        # Still serving: an Attach is taken, and a Shutdown ends it cleanly.
+        # Still serving: an Attach is taken (TemplateReady answers it), and a Shutdown ends it
+        # cleanly.
         launched.socket.send(encoder.encode(Attach(endpoint="ipc:///nonexistent/x.sock")))
+        ready = from_template_decoder.decode(launched.socket.recv(65536))
+        assert isinstance(ready, TemplateReady)
         launched.socket.send(encoder.encode(Shutdown()))
         process = launched.launch.process
         assert process is not None
@@ -190,13 +191,14 @@ def test_the_template_exits_without_its_teardown_yet_reports_every_worker() -> N
     launched = TemplateLaunch(warm_up=False, nofile=None)
     try:
         launched.socket.settimeout(CHILD_S)
-        assert isinstance(from_template_decoder.decode(launched.socket.recv(65536)), TemplateReady)
         # A short path (a unix socket's is at most 107 bytes); the worker waits on it, idle.
         with tempfile.TemporaryDirectory() as directory, socket.socket(socket.AF_UNIX) as listener:
             path = os.path.join(directory, "coordinator.sock")
             listener.bind(path)
             listener.listen()
             launched.socket.send(encoder.encode(Attach(endpoint=f"ipc://{path}")))
+            ready = from_template_decoder.decode(launched.socket.recv(65536))
+            assert isinstance(ready, TemplateReady)  # the answer to Attach
             launched.socket.send(encoder.encode(Spawn(count=1)))
             spawned = from_template_decoder.decode(launched.socket.recv(65536))
             launched.socket.send(encoder.encode(Shutdown()))

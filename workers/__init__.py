@@ -21,5 +21,5 @@ COORDINATOR_MAY_IMPORT = frozenset(
 )
 #: What ``sandbx_pool.cli.doctor`` may import besides: the probes of what the kernel gives.
 DOCTOR_MAY_IMPORT = frozenset(
-    {"cgroups", "immortal", "landlock", "lockdown", "rules", "seccomp", "zmtp"}
+    {"cgroups", "containment", "immortal", "landlock", "lockdown", "rules", "seccomp", "zmtp"}
 )

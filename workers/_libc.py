@@ -119,10 +119,10 @@ def try_prctl(option: int, arg: int = 0) -> int:
     return ctypes.get_errno()
 
 
-def prctl_get(option: int) -> int:
-    """The value a prctl ``GET`` option returns (PR_GET_SECUREBITS...)."""
+def prctl_get(option: int, arg: int = 0) -> int:
+    """The value a prctl ``GET`` option returns (PR_GET_SECUREBITS, PR_CAPBSET_READ...)."""
     zero = ctypes.c_ulong(0)
-    result = int(_libc.prctl(option, zero, zero, zero, zero))
+    result = int(_libc.prctl(option, ctypes.c_ulong(arg), zero, zero, zero))
     if result < 0:
         raise _failed(f"prctl({option})")
     return result

@@ -153,9 +153,13 @@ CoordinatorMessage = Call
 
 class Attach(Message, tag="attach"):
     """Where workers connect: the coordinator's first message (the template may be started
-    before the pool's directories exist, sandbx_pool.template_launch)."""
+    before the pool's directories exist, sandbx_pool.template_launch). The template answers it
+    with TemplateReady, once it knows how its workers will be contained."""
 
     endpoint: str
+    #: ``[sandbox] user_namespaces``: whether a pool without CAP_SYS_ADMIN makes each worker in
+    #: a user namespace of its own (workers.containment.UserNamespaces).
+    user_namespaces: bool = True
 
 
 class Spawn(Message, tag="spawn"):
@@ -200,6 +204,8 @@ class TemplateReady(Message, tag="template_ready"):
     #: is not enforced, and ``process_limit_why`` says why.
     pids_cgroup: str | None = None
     process_limit_why: str | None = None
+    #: Each worker is made in a user namespace of its own (containment "pidns" without root).
+    user_namespaces: bool = False
 
 
 ToTemplate = Attach | Spawn | Shutdown | PrebuildFileRules

@@ -19,10 +19,11 @@ kernel's, set up by the worker itself in two stages::
     |   TMPDIR *            a private directory for this call, set in bash's environment
     |   IPC namespace *     SysV and POSIX IPC objects of its own
     |   network = false *   a network namespace of its own
-    |   bounding set        emptied, securebits locked: nothing exec'd gains a capability
+    |   bounding set *      emptied, securebits locked: nothing exec'd gains a capability
     |   run_as              setgroups, setgid, setuid (a file tool's ``user`` too)
-    |   capabilities        the worker's own emptied too (workers.lockdown): a file tool is
-    |                       held to file modes as bash is (keep_root: a container's set, both)
+    |   capabilities *      the worker's own emptied too (workers.lockdown): a file tool is
+    |                       held to file modes as bash is (keep_root: a container's set, both;
+    |                       in a user namespace of its own, a pool without root, never kept)
     |   non-dumpable        the worker's memory (the call's secret) is closed to its commands
     |   Landlock            filesystem rules, TCP rules, signal and abstract socket scoping;
     |                       where no mount masks root's secrets, a layer that leaves them out
@@ -34,6 +35,11 @@ kernel's, set up by the worker itself in two stages::
 
 The mount namespace is made per call, not while idle: a copy of the mount table taken before
 the call would hide whatever was mounted since (the NFS share, the FUSE mount the call is about).
+
+A pool without root makes each worker in a user namespace of its own where the kernel allows
+(workers.containment.UserNamespaces): the worker then holds the capabilities every step needs,
+over its own namespaces, and takes them all, as a root worker does; what needs root itself
+(run_as, masks over what the pool's user cannot open anyway) is left out.
 
 Each step applies where the machine permits it and is skipped where it does not
 (``sandbx-pool doctor`` shows which); ``network = false`` alone refuses the call when nothing
@@ -54,7 +60,7 @@ import os
 import msgspec
 
 from sandbx_pool.workers import _libc, landlock, lockdown, paths, protected, seccomp, users, view
-from sandbx_pool.workers.containment import in_own_pid_namespace
+from sandbx_pool.workers.containment import in_own_pid_namespace, in_own_user_namespace
 from sandbx_pool.workers.errors import Denied, ToolError
 from sandbx_pool.workers.protocol import Call, ExecutionContext, Sandbox
 from sandbx_pool.workers.rules import (
@@ -171,8 +177,10 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
     box = ctx.sandbox
     tmpdir: str | None = None
     owner = _tmp_owner(box, call.args)
-    # A view's calls are capless whatever keep_root says: the view is there to hold them.
-    keep_root = box.keep_root and box.view is None
+    # A view's calls are capless whatever keep_root says: the view is there to hold them. So
+    # are a user namespace's: there is no root there to keep, only the namespace's capabilities.
+    own_user_namespace = in_own_user_namespace()
+    keep_root = box.keep_root and box.view is None and not own_user_namespace
     try:
         _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
         network_namespace = private = False
@@ -436,7 +444,10 @@ def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | 
     symlink to ``/`` after the walk would otherwise be entered."""
     assert box.view is not None
     if not _private_mounts(box, None, owner, [box.view]):
-        raise SandboxError("a view needs a mount namespace of the call's own: run the pool as root")
+        raise SandboxError(
+            "a view needs a mount namespace of the call's own: run the pool as root, or where"
+            " user namespaces are allowed ([sandbox] user_namespaces)"
+        )
     try:
         view.enter(box.view)
         entered = os.stat("/")

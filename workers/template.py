@@ -5,7 +5,9 @@ the pool. It stays single-threaded (no libzmq here: a context starts I/O threads
 a threaded process is unsafe; workers speak ZMTP themselves, workers.zmtp), so each worker is
 a cheap fork of an interpreter that has already imported the runtime and every tool.
 
-    coordinator --Spawn(n)--> template --fork--> worker (setsid, PDEATHSIG, own PID namespace)
+    coordinator --Attach--> template (probes namespaces) --TemplateReady--> coordinator
+    coordinator --Spawn(n)--> template --fork--> worker (setsid, PDEATHSIG, own PID namespace:
+                                                 in a user namespace of its own without root)
     coordinator <--Spawned(token, pid) / Exited(pid, returncode)-- template (reaps on SIGCHLD)
 
 Process limit: where a pids cgroup hierarchy is writable, each worker joins a cgroup of its own
@@ -103,8 +105,13 @@ class Template:
         self.workers: set[int] = set()
         # CONTAINMENT_ENV (tests, or a host whose namespaces misbehave) skips the probe, so the
         # fallback is exercised deterministically even where namespaces are permitted.
-        forced = os.environ.get(CONTAINMENT_ENV) == "subreaper"
-        self.namespaces = None if forced else containment.probe_pid_namespaces()
+        self.forced_subreaper = os.environ.get(CONTAINMENT_ENV) == "subreaper"
+        # Without CAP_SYS_ADMIN, user namespaces may still give each worker its PID namespace:
+        # probed once Attach says whether the pool's config allows them ([sandbox]
+        # user_namespaces), so that an opt-out never makes even the probe's.
+        self.namespaces: containment.Namespaces | None = (
+            None if self.forced_subreaper else containment.probe_pid_namespaces()
+        )
         self.next_token = 0
         # A pidfd of ourselves, inherited by each worker: it reads as ready once we have exited,
         # so a worker learns, race-free, that we died before it could arm PDEATHSIG (or while it
@@ -135,14 +142,6 @@ class Template:
         signal.signal(signal.SIGTERM, _wake_loop)
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wakeup_read, selectors.EVENT_READ, "signals")
-        self.send(
-            TemplateReady(
-                pid=os.getpid(),
-                containment=self.containment,
-                pids_cgroup=self.pids_cgroup.path if self.pids_cgroup is not None else None,
-                process_limit_why=self.process_limit_why,
-            )
-        )
         while True:
             timeout = CGROUP_RETRY_S if self.unremoved else None
             ready = self.selector.select(timeout)
@@ -173,7 +172,7 @@ class Template:
         if isinstance(message, Shutdown):
             return False
         if isinstance(message, Attach):
-            self.endpoint = message.endpoint
+            self.attach(message)
             return True
         if isinstance(message, PrebuildFileRules):
             if self.file_rules is not None:
@@ -196,6 +195,22 @@ class Template:
                 break
         return True
 
+    def attach(self, message: Attach) -> None:
+        """The coordinator's first message: where workers connect, and whether user namespaces
+        may stand in for the PID namespaces root makes. Answered with TemplateReady."""
+        self.endpoint = message.endpoint
+        if self.namespaces is None and message.user_namespaces and not self.forced_subreaper:
+            self.namespaces = containment.probe_user_namespaces()
+        self.send(
+            TemplateReady(
+                pid=os.getpid(),
+                containment=self.containment,
+                pids_cgroup=self.pids_cgroup.path if self.pids_cgroup is not None else None,
+                process_limit_why=self.process_limit_why,
+                user_namespaces=self.namespaces is not None and self.namespaces.user_namespace,
+            )
+        )
+
     def fork_worker(self) -> None:
         # Unguessable, so that nobody can connect first under a future worker's identity.
         token = f"{self.next_token}.{os.urandom(8).hex()}"
@@ -209,25 +224,17 @@ class Template:
         pid = cgroups.fork_with_backoff(self.fork_once, on_retry=self.reap)
         if pid == 0:
             self.become_worker(token, cgroup)
-        if self.namespaces is not None:
-            self.namespaces.leave()
         self.workers.add(pid)
         if self.pids_cgroup is not None:
             self.worker_cgroups[pid] = cgroup
         self.send(Spawned(token=token, pid=pid))
 
     def fork_once(self) -> int:
-        """One fork, into a new PID namespace where there are namespaces. Each try needs a new
-        one: a namespace whose first process could not be forked refuses every later fork
-        (ENOMEM), whatever frees up meanwhile."""
-        if self.namespaces is not None:
-            self.namespaces.enter_new()
-        try:
+        """One fork, into new namespaces where there are (a new one each try: see
+        workers.containment)."""
+        if self.namespaces is None:
             return bare_fork.fork()
-        except BaseException:
-            if self.namespaces is not None:
-                self.namespaces.leave()
-            raise
+        return self.namespaces.fork()
 
     def become_worker(self, token: str, cgroup: str) -> None:
         """In the child: cut every tie to the template except its pidfd, then serve.
@@ -241,6 +248,8 @@ class Template:
         with os._exit.
         """
         try:
+            if self.namespaces is not None:
+                self.namespaces.enter_child()  # a user namespace's worker maps its ids
             signal.set_wakeup_fd(-1)
             _signal.signal(signal.SIGCHLD, _signal.SIG_DFL)
             for fd in (self.selector.fileno(), self.control.fileno()):

@@ -2,10 +2,13 @@
 
 Every line is a probe, not a guess from the kernel version: the namespace and Landlock probes
 run in a throwaway child process (they change the process that makes them), the rest here.
+Without CAP_SYS_ADMIN the child first enters a user namespace mapped as a worker's is
+(workers.containment.UserNamespaces), unless ``--config`` says ``user_namespaces = false``, so
+that what it reports is what a worker of this pool gets.
 
-    doctor --> python -c _probe_child() --> the secrets layer (in a child of its own),
-                                            unshare(PID, mount, network), prctl, seccomp,
-                                            Landlock
+    doctor --> python -c _probe_child() --> [user namespace] the secrets layer (in a child of
+                                            its own), unshare(PID, mount, network), prctl,
+                                            seccomp, Landlock
            <-- JSON: what each step allowed
     doctor --> pidfd, cgroup v2 (mkdir + rmdir of a child group), FUSE, ZeroMQ peer pid,
                the rg binary grep runs (rg --version)
@@ -28,7 +31,16 @@ from typing import Any
 import msgspec
 
 from sandbx_pool.interpreter import CHILD_CWD, PACKAGE_PARENT, python_command
-from sandbx_pool.workers import _libc, cgroups, immortal, landlock, lockdown, rules, seccomp
+from sandbx_pool.workers import (
+    _libc,
+    cgroups,
+    containment,
+    immortal,
+    landlock,
+    lockdown,
+    rules,
+    seccomp,
+)
 from sandbx_pool.workers.rg_binary import find_rg, symlinks_refused
 
 
@@ -39,12 +51,51 @@ class Check(msgspec.Struct, frozen=True):
     fallback: str  # what happens instead when not
 
 
-def _child_probes() -> dict[str, Any]:
+#: What ``_child_probes`` reports as "user_namespaces": not needed (CAP_SYS_ADMIN), entered,
+#: refused by the kernel, turned off by the config, or not for root (a container's).
+DIRECT, ENTERED, REFUSED, OFF, ROOT = "direct", "entered", "refused", "off", "root"
+
+
+def _enter_user_namespace() -> tuple[str, str]:
+    """Enter a user namespace as a worker's is made, and map our ids; REFUSED and why if not."""
+    namespaces = containment.UserNamespaces()
+    code = _libc.try_unshare(_libc.CLONE_NEWUSER)
+    if code == errno.ENOSPC:
+        return REFUSED, "the kernel refuses them (user.max_user_namespaces = 0)"
+    if code != 0:
+        return REFUSED, (
+            f"the kernel refuses them ({errno.errorcode.get(code, code)}: a sysctl such as"
+            " kernel.unprivileged_userns_clone = 0, or a container runtime's seccomp profile)"
+        )
+    try:
+        namespaces.enter_child()
+    except OSError as exc:
+        return REFUSED, f"one is made but its ids cannot be mapped ({exc.strerror})"
+    if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
+        # Ubuntu 24.04: made, ids mapped, and no capability in it (AppArmor).
+        return REFUSED, (
+            "one is made, but holds no capability (Ubuntu's"
+            " kernel.apparmor_restrict_unprivileged_userns = 1, or an AppArmor profile)"
+        )
+    return ENTERED, ""
+
+
+def _child_probes(*, user_namespaces: bool = True) -> dict[str, Any]:
     """Run in a disposable child: each probe changes this process for good."""
     found: dict[str, Any] = {}
     # First, while /etc/shadow is as a worker without a mount namespace would find it.
     found["secrets_left_out"] = _secrets_layer_probe()
     found["pid_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWPID) == 0
+    found["user_namespaces"], found["user_namespaces_why"] = DIRECT, ""
+    if not found["pid_namespaces"]:
+        if os.geteuid() == 0:  # workers.containment.probe_user_namespaces says why
+            found["user_namespaces"] = ROOT
+        elif not user_namespaces:
+            found["user_namespaces"] = OFF
+        else:
+            found["user_namespaces"], found["user_namespaces_why"] = _enter_user_namespace()
+        if found["user_namespaces"] == ENTERED:
+            found["pid_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWPID) == 0
     mount_ns = _libc.try_unshare(_libc.CLONE_NEWNS) == 0
     # The recursive slave mount is the step the worker cannot do without (see sandbox.py).
     try:
@@ -60,10 +111,15 @@ def _child_probes() -> dict[str, Any]:
     found["no_new_privs"] = _libc.try_prctl(_libc.PR_SET_NO_NEW_PRIVS, 1) == 0
     try:
         with open("/proc/sys/kernel/cap_last_cap") as f:
-            lockdown.lock_out_root(int(f.read()))
+            last_cap = int(f.read())
+        lockdown.lock_out_root(last_cap)
         lockdown.drop_all_capabilities()
-        found["root_locked_out"] = os.geteuid() != 0 or (
-            _libc.prctl_get(_libc.PR_GET_SECUREBITS) != 0 and not any(_libc.capget())
+        # What a command would hold: no capability, none it could gain (the bounding set), and
+        # for uid 0 the securebits that keep exec from granting them back.
+        found["root_locked_out"] = (
+            not any(_libc.capget())
+            and lockdown.bounding_set(last_cap) == 0
+            and (os.geteuid() != 0 or _libc.prctl_get(_libc.PR_GET_SECUREBITS) != 0)
         )
     except OSError:
         found["root_locked_out"] = False
@@ -155,8 +211,12 @@ def _mount_probes() -> dict[str, bool]:
     scratch = tempfile.mkdtemp(prefix="sandbx-doctor-")
     try:
         lockdown.mask_secrets(scratch)
-        found["secrets_masked"] = not os.path.exists("/etc/shadow") or (
-            os.stat("/etc/shadow").st_size == 0 and os.stat("/etc/shadow").st_mode & 0o777 == 0
+        # Masked where we could read it (root owns it; a user namespace's worker is not root
+        # and masks only what its user can open).
+        found["secrets_masked"] = (
+            not os.path.exists("/etc/shadow")
+            or not os.access("/etc/shadow", os.R_OK)
+            or (os.stat("/etc/shadow").st_size == 0 and os.stat("/etc/shadow").st_mode & 0o777 == 0)
         )
     except OSError:
         found["secrets_masked"] = False
@@ -182,11 +242,12 @@ def _mount_probes() -> dict[str, bool]:
     return found
 
 
-def _run_child_probes() -> dict[str, Any]:
+def _run_child_probes(*, user_namespaces: bool = True) -> dict[str, Any]:
     # An interpreter of this installation only (sandbx_pool.interpreter says why): the probes
     # below run as root, and must not import what the current directory holds.
+    flags = [] if user_namespaces else ["--no-user-namespaces"]
     done = subprocess.run(
-        python_command("sandbx_pool.cli.doctor", "--child-probes"),
+        python_command("sandbx_pool.cli.doctor", "--child-probes", *flags),
         capture_output=True,
         text=True,
         timeout=60,
@@ -291,7 +352,7 @@ def rg_check(rg: str | None, version: str, symlinks_refused: bool) -> Check:
     elif not symlinks_refused:
         fallback = (
             f"{rg} ({version}) found, but no workspace bind that follows no symlink (needs "
-            f"root, mount namespaces, Linux 5.10): {python}"
+            f"mount namespaces: root or user namespaces; Linux 5.10): {python}"
         )
     else:
         fallback = ""
@@ -318,9 +379,38 @@ def _rg_version(rg: str | None) -> str:
     return lines[0] if done.returncode == 0 and lines else f"--version failed ({done.returncode})"
 
 
-def diagnose() -> list[Check]:
+def user_namespaces_check(found: str, why: str) -> Check:
+    """Whether workers are made in user namespaces of their own (``_child_probes``' finding)."""
+    uid, gid = os.geteuid(), os.getegid()
+    if found == DIRECT:
+        return Check(
+            "user namespaces",
+            True,
+            "not needed: the pool holds CAP_SYS_ADMIN and makes the namespaces below itself",
+            "",
+        )
+    without = "without CAP_SYS_ADMIN, no PID, mount, IPC or network namespace: the fallbacks below"
+    if found == OFF:
+        why = "[sandbox] user_namespaces = false"
+    elif found == ROOT:
+        why = (
+            "not made for root (a container's): run_as and bash's user need uids besides the"
+            " one a user namespace of its own could map"
+        )
+    return Check(
+        "user namespaces",
+        found == ENTERED,
+        f"each worker is made in one of its own, mapping only uid {uid} and gid {gid} to"
+        " themselves (files keep their owner): the PID, mount, IPC and network namespaces"
+        " below are made in it, without root; a call cannot make one (seccomp)",
+        f"{why or 'not made'}: {without}",
+    )
+
+
+def diagnose(*, user_namespaces: bool = True) -> list[Check]:
+    """The checks, as a pool of ``[sandbox] user_namespaces`` would meet them here."""
     python = f"{sys.implementation.name} {sys.version.split()[0]}"
-    child = _run_child_probes()
+    child = _run_child_probes(user_namespaces=user_namespaces)
     abi = landlock.abi_version()
     cgroup, cgroup_writable = _cgroup2()
     fuse_ok, fuse_detail = _fuse()
@@ -348,6 +438,9 @@ def diagnose() -> list[Check]:
             landlock.has_scoping(abi),
             "a call can signal, and reach by abstract unix socket, only its own processes",
             "signals to outside processes are stopped by the PID namespace alone",
+        ),
+        user_namespaces_check(
+            str(child.get("user_namespaces", REFUSED)), str(child.get("user_namespaces_why", ""))
         ),
         Check(
             "PID namespaces",
@@ -379,7 +472,11 @@ def diagnose() -> list[Check]:
             bool(child.get("root_locked_out")),
             "commands run with no capability (CapEff, CapPrm, CapBnd empty; securebits locked):"
             " no raw sockets, chown, DAC override, uid change",
-            "commands keep the worker's capabilities",
+            "commands keep the worker's capabilities"
+            if os.geteuid() == 0
+            else "commands hold no capability (CapEff, CapPrm empty: not root), but the bounding"
+            " set stays full (no CAP_SETPCAP to empty it); no_new_privs keeps file capabilities"
+            " from granting any",
         ),
         Check(
             "seccomp filter",
@@ -479,7 +576,12 @@ def report(checks: list[Check]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = diagnose()
+    user_namespaces = True
+    if args.config is not None:
+        from sandbx_pool.config import load_config
+
+        user_namespaces = load_config(args.config).sandbox.user_namespaces
+    checks = diagnose(user_namespaces=user_namespaces)
     if args.json:
         print(json.dumps(msgspec.to_builtins(checks), indent=2))
     else:
@@ -487,5 +589,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--child-probes"]:
-    print(json.dumps(_child_probes()))
+if __name__ == "__main__" and sys.argv[1:2] == ["--child-probes"]:
+    print(json.dumps(_child_probes(user_namespaces="--no-user-namespaces" not in sys.argv)))

@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_journal_parser(commands)
     doctor = commands.add_parser("doctor", help="show which protections this machine enforces")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.add_argument(
+        "--config", metavar="FILE", help="TOML settings ([sandbox] user_namespaces) to probe with"
+    )
     doctor.set_defaults(func=_cmd_doctor)
     return parser
 
