@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from sandbx_pool.errors import ConfigError
+from sandbx_pool.workers.hooks_path import TOKEN as HOOKS_PATH
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Limits, Sandbox
 
 MiB = 1024 * 1024
@@ -153,8 +154,17 @@ AbsolutePath = Annotated[str, Meta(pattern="^/")]
 #: What a call may not change unless the config says otherwise: a git hook or a git config
 #: (core.hooksPath, core.fsmonitor, aliases...) planted in the workspace runs at the user's next
 #: git command, outside any sandbox; so does a ``.git/commondir``, which makes git take its
-#: config and hooks from whatever directory it names.
-DEFAULT_PROTECTED = (".git/hooks/**", ".git/config", ".git/commondir")
+#: config and hooks from whatever directory it names; so does a hook in the directory
+#: ``core.hooksPath`` names (``{core.hooksPath}``, read by the worker at each call:
+#: workers.hooks_path), a husky hook and a pre-commit configuration's local hook.
+DEFAULT_PROTECTED = (
+    ".git/hooks/**",
+    ".git/config",
+    ".git/commondir",
+    HOOKS_PATH,
+    ".husky/**",
+    ".pre-commit-config.yaml",
+)
 
 
 class SandboxSettings(_Section):

@@ -177,7 +177,10 @@ async def test_the_git_directory_cannot_be_swapped_for_a_writable_copy(
             f"{swap}; {_hook(marker)} > .git/hooks/pre-commit && chmod +x .git/hooks/pre-commit;"
             " echo rc=$?",
         )
-        assert "rc=0" not in value["stdout"], (swap, value)
+        # Without a mount namespace (a container without CAP_SYS_ADMIN) no bind holds .git: the
+        # swap goes through, and the hook is set aside once the call is over.
+        moved = {entry["path"] for entry in value.get("protected_set_aside", [])}
+        assert "rc=0" not in value["stdout"] or ".git/hooks/pre-commit" in moved, (swap, value)
     assert _host_commit(workspace).returncode == 0
     assert not marker.exists()
 

@@ -309,6 +309,7 @@ async def test_bash_cannot_change_protected_paths_and_git_still_works(
     _git_init(workspace)
     await bash(pool, f"echo one > a && {git} add a && {git} commit -qm one")
     config = (workspace / ".git" / "config").read_bytes()
+    hooks = sorted(os.listdir(workspace / ".git" / "hooks"))
     attacks = [
         "printf '#!/bin/sh\\ntouch /tmp/pwned\\n' > .git/hooks/pre-commit",
         "chmod +x .git/hooks/pre-commit.sample && mv .git/hooks/pre-commit.sample"
@@ -321,10 +322,15 @@ async def test_bash_cannot_change_protected_paths_and_git_still_works(
     ]
     for command in attacks:
         value = await bash(pool, f"{command}; echo rc=$?")
-        assert "rc=0" not in value["stdout"], (command, value)
+        if "rc=0" in value["stdout"]:
+            # No mount namespace here (root without CAP_SYS_ADMIN, as in a container): the
+            # command went through, and is undone once it is over.
+            assert value.get("protected_set_aside"), (command, value)
+        elif command.startswith("mv .git/hooks"):
+            assert not (workspace / ".git" / "old-hooks").exists()
     assert (workspace / ".git" / "config").read_bytes() == config
     assert not (workspace / ".git" / "hooks" / "pre-commit").exists()
-    assert not (workspace / ".git" / "old-hooks").exists()
+    assert sorted(os.listdir(workspace / ".git" / "hooks")) == hooks
     # What git needs for its work is not protected: the next commit goes through.
     value = await bash(pool, f"echo two > a && {git} commit -qam two && git log --oneline | wc -l")
     assert value["stdout"].strip() == "2", value

@@ -13,9 +13,10 @@ and find reach their directories that way and work relative to the descriptor fr
 (grep and find walk the whole tree so); read opens its file ``O_NOFOLLOW`` and asks the kernel
 where it landed (``check_opened``).
 
-Protected paths (``Sandbox.protected``, e.g. ``.git/hooks/**``) are refused to write and edit by
-``check_protected``, on the resolved path relative to the workspace: ``..`` and symlinks are
-resolved first, and the directory then opened is the one that path names (above).
+Protected paths (``Sandbox.protected``, e.g. ``.git/hooks/**``; ``{core.hooksPath}`` is the
+directory the workspace's .git/config names, read now: workers.hooks_path) are refused to write
+and edit by ``check_protected``, on the resolved path relative to the workspace: ``..`` and
+symlinks are resolved first, and the directory then opened is the one that path names (above).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 import os
 import re
 
+from sandbx_pool.workers import hooks_path
 from sandbx_pool.workers.errors import Denied
 from sandbx_pool.workers.globs import compile_glob
 from sandbx_pool.workers.protocol import ExecutionContext
@@ -168,11 +170,12 @@ def protected_by(ctx: ExecutionContext, real: str) -> str | None:
     """
     if not ctx.sandbox.protected:
         return None
-    rel = os.path.relpath(real, real_workspace(ctx.workspace))
+    root = real_workspace(ctx.workspace)
+    rel = os.path.relpath(real, root)
     if rel == ".":
         return None
     parts = rel.split(os.sep)
-    globs = _protected_globs(ctx.sandbox.protected)
+    globs = _protected_globs(hooks_path.expand(root, ctx.sandbox.protected)[0])
     for depth in range(1, len(parts) + 1):
         prefix = "/".join(parts[:depth])
         below = depth < len(parts)

@@ -506,8 +506,10 @@ def diagnose(*, user_namespaces: bool = True) -> list[Check]:
         Check(
             "protected paths",
             bool(child.get("read_only_binds")),
-            "[sandbox] protected: write/edit denied, read-only in bash (mount_setattr)",
-            "write/edit denied; bash can still change them",
+            "[sandbox] protected: write/edit denied, read-only in bash (mount_setattr); what"
+            " bash makes of one that does not exist yet is set aside after the call",
+            "write/edit denied; what bash makes, changes or removes of them is undone after"
+            " each call (a snapshot taken before it)",
         ),
         Check(
             "installed code only",

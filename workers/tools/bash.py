@@ -314,9 +314,9 @@ def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
     raises OutputLimitExceeded carrying the output until the kill; a stop request returns the
     output so far (the runtime marks the Result ``stopped``).
     """
-    # Protected paths the command could create, with nothing there yet to hold read-only:
-    # whatever it makes of them is set aside once it and all it started are dead.
-    missing = protected.absent(ctx.workspace, ctx.sandbox.protected)
+    # The protected paths as they are (those no read-only mount holds, in full): whatever the
+    # command makes of them is undone once it and all it started are dead.
+    guard = protected.snapshot(ctx.workspace, ctx.sandbox.protected)
     try:
         proc = _start(args, ctx)
     except _ExecFailed as failed:
@@ -331,33 +331,31 @@ def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
         }
     output = _Output(ctx.keep_output_bytes, ctx.max_output_bytes)
     stdin = args.stdin.encode("utf-8") if args.stdin is not None else args.stdin_bytes
-    set_aside: list[dict[str, str]] = []
     try:
         _pump(proc, output, stdin, grace_s=ctx.grace_s)
     except OutputLimitExceeded as exc:
         _stop(proc)
-        set_aside = protected.set_aside_created(ctx.workspace, missing)
-        value = _value(proc, output, set_aside)
+        value = _value(proc, output, guard.restore())
         raise OutputLimitExceeded(str(exc), value=value) from None
     except _Stopped:
         pass  # killed below; the value is what came until then
     finally:
         # Normally a no-op by now (bash reaped, leftovers killed); after an error, the output
-        # limit or a stop it is the kill. Either way nothing outlives the call.
+        # limit or a stop it is the kill. Either way nothing outlives the call, and then the
+        # protected paths are put back (restore() does it once).
         _stop(proc)
-        if missing and not set_aside:
-            set_aside = protected.set_aside_created(ctx.workspace, missing)
+        restored = guard.restore()
         _drain(proc, output)
         if streaming.current is not None:
             streaming.current.flush(final=True)
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None and not pipe.closed:
                 pipe.close()
-    return _value(proc, output, set_aside)
+    return _value(proc, output, restored)
 
 
 def _value(
-    proc: subprocess.Popen[bytes], output: _Output, set_aside: list[dict[str, str]]
+    proc: subprocess.Popen[bytes], output: _Output, restored: dict[str, Any]
 ) -> dict[str, Any]:
     assert proc.returncode is not None
     exit_code, signal_number = _exit_status(proc.returncode)
@@ -369,6 +367,7 @@ def _value(
         "stdout": stdout,
         "stderr": stderr,
         "omitted_bytes": omitted_out + omitted_err,
-        # Only when it happened: protected paths the command made, renamed aside.
-        **({"protected_set_aside": set_aside} if set_aside else {}),
+        # Only when there is something to say: protected paths the command made or changed,
+        # set aside and restored (protected_set_aside), and what could not be guarded.
+        **restored,
     }
