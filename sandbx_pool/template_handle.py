@@ -102,7 +102,7 @@ class TemplateHandle:
             ready.containment,
             " (a user namespace per worker)" if ready.user_namespaces else "",
         )
-        if ready.pids_cgroup is None:
+        if ready.pids_cgroup is None and ready.process_limit_why is not None:
             logger.debug("per-call process limit not enforced: {}", ready.process_limit_why)
 
     def _on_readable(self) -> None:

@@ -309,6 +309,6 @@ def test_doctor_says_why_the_limit_is_not_enforced_where_cgroupfs_is_read_only()
         check=True,
     )
     checks = {check["name"]: check for check in json.loads(done.stdout)}
-    limit = checks["per-call process limit (pids cgroup)"]
+    limit = checks["per-call process limit"]
     assert limit["ok"] is False
     assert "Read-only file system" in limit["fallback"], limit

@@ -184,7 +184,7 @@ async def test_bash_holds_no_capability_even_in_its_namespace(pool: Pool) -> Non
     assert all(int(v, 16) == 0 for v in fields.values()), fields
 
 
-@pytest.mark.needs("per-call process limit (pids cgroup)")
+@pytest.mark.needs("per-call process limit")
 async def test_the_process_limit_binds_the_call(pool: Pool) -> None:
     forker = (
         "import os, sys, time\nstarted = 0\nfor _ in range(100):\n    try:\n"
@@ -198,7 +198,9 @@ async def test_the_process_limit_binds_the_call(pool: Pool) -> None:
     assert outcome.status is Status.OK, outcome
     assert outcome.value is not None
     assert 10 <= int(outcome.value["stdout"]) < 20, outcome.value
-    assert outcome.limit == "processes"
+    assert pool._template is not None
+    if pool._template.pids_cgroup is not None:
+        assert outcome.limit == "processes"  # RLIMIT_NPROC leaves no record of a refused fork
 
 
 async def test_doctor_says_what_the_template_does(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 
 from sandbx_pool.workers import _libc, bare_fork
@@ -129,6 +130,24 @@ def in_own_user_namespace() -> bool:
     """Whether this worker holds its capabilities in a user namespace of its own (not root's:
     the workers.sandbox steps that keep root's are then moot, and file tools drop them too)."""
     return _own_user_namespace
+
+
+def nproc_counts_per_user_namespace() -> bool:
+    """Whether RLIMIT_NPROC counts a user's processes per user namespace (Linux 5.14, ucounts):
+    then, in a worker's own user namespace, it limits what the call forks, and nothing else of
+    the pool's user's, as a pids cgroup would (a pool without root rarely has one delegated)."""
+    release = os.uname().release.split("-", 1)[0].split(".")
+    try:
+        return (int(release[0]), int(release[1])) >= (5, 14)
+    except (IndexError, ValueError):
+        return False
+
+
+def limit_processes_in_own_user_namespace(processes: int) -> None:
+    """Cap the tasks (processes and threads) of this worker's user namespace, itself included,
+    at ``processes``: a fork past it fails with EAGAIN. Only in a user namespace of its own: in
+    the host's, the count would be every process of the pool's user."""
+    resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
 
 
 Namespaces = PidNamespaces | UserNamespaces

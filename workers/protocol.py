@@ -200,8 +200,9 @@ class SpawnFailed(Message, tag="spawn_failed"):
 class TemplateReady(Message, tag="template_ready"):
     pid: int
     containment: str
-    #: Where the template keeps its workers' pids cgroups; None: the per-call process limit
-    #: is not enforced, and ``process_limit_why`` says why.
+    #: Where the template keeps its workers' pids cgroups. None: the per-call process limit is
+    #: not enforced, and ``process_limit_why`` says why, or (``process_limit_why`` None too) it
+    #: is RLIMIT_NPROC in each worker's own user namespace.
     pids_cgroup: str | None = None
     process_limit_why: str | None = None
     #: Each worker is made in a user namespace of its own (containment "pidns" without root).

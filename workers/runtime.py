@@ -326,6 +326,16 @@ def serve(
             # of a read's CPU each, measured). With no limit too: without a PID namespace, the
             # cgroup is where what the command left is found (kill_others below).
             _cap_processes(pids_cgroup, processes, joined)
+        elif (
+            runs_programs
+            and processes is not None
+            and containment.in_own_user_namespace()
+            and containment.nproc_counts_per_user_namespace()
+        ):
+            # No pids cgroup (a pool without root rarely has one delegated), but a user
+            # namespace of its own, where RLIMIT_NPROC counts this call's tasks only. The
+            # outcome cannot name the limit then: nothing records a fork it refused.
+            containment.limit_processes_in_own_user_namespace(processes)
         confinement = sandbox.confine(call, prepared, runs_programs=runs_programs)
     except sandbox.SandboxError as exc:
         result = Result(call_id=call.context.call_id, status="error", error=str(exc))

@@ -201,6 +201,13 @@ class Template:
         self.endpoint = message.endpoint
         if self.namespaces is None and message.user_namespaces and not self.forced_subreaper:
             self.namespaces = containment.probe_user_namespaces()
+        user_namespace = self.namespaces is not None and self.namespaces.user_namespace
+        if (
+            self.pids_cgroup is None
+            and user_namespace
+            and containment.nproc_counts_per_user_namespace()
+        ):
+            self.process_limit_why = None  # RLIMIT_NPROC in each worker's user namespace
         self.send(
             TemplateReady(
                 pid=os.getpid(),

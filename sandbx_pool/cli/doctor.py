@@ -379,6 +379,36 @@ def _rg_version(rg: str | None) -> str:
     return lines[0] if done.returncode == 0 and lines else f"--version failed ({done.returncode})"
 
 
+def _process_limit_check(
+    pids: cgroups.PidsHierarchy | None, pids_why: list[str], user_namespace: bool
+) -> Check:
+    """How ``[limits] processes`` binds a call here: a pids cgroup per worker, else RLIMIT_NPROC
+    in each worker's own user namespace (Linux 5.14 counts it per namespace), else not at all."""
+    nproc = user_namespace and containment.nproc_counts_per_user_namespace()
+    if pids is not None:
+        detail = (
+            "[limits] processes binds every call, root's too: a pids cgroup per worker in"
+            f" {pids.base} (cgroup v{pids.version})"
+        )
+    else:
+        detail = (
+            "[limits] processes binds every call: RLIMIT_NPROC in each worker's own user"
+            " namespace, where the kernel counts that call's tasks alone (no pids cgroup:"
+            f" {'; '.join(pids_why)}); a call's outcome does not name the limit then"
+        )
+    v2 = (
+        "on cgroup v2 a pool needs the parent of its own cgroup writable with pids enabled (root,"
+        " or a systemd unit with Delegate=pids whose processes run in a child group of it)"
+    )
+    return Check(
+        "per-call process limit",
+        pids is not None or nproc,
+        detail,
+        f"[limits] processes is not enforced ({'; '.join(pids_why)}; {v2}); a fork bomb fails "
+        "only the calls that find no pid for their worker, the pool keeps serving",
+    )
+
+
 def user_namespaces_check(found: str, why: str) -> Check:
     """Whether workers are made in user namespaces of their own (``_child_probes``' finding)."""
     uid, gid = os.geteuid(), os.getegid()
@@ -542,14 +572,7 @@ def diagnose(*, user_namespaces: bool = True) -> list[Check]:
             f"child groups can be made in {cgroup}",
             f"{cgroup or 'no cgroup2 mount'}: not writable; limits use setrlimit only",
         ),
-        Check(
-            "per-call process limit (pids cgroup)",
-            pids is not None,
-            "[limits] processes binds every call, root's too: a pids cgroup per worker"
-            + (f" in {pids.base} (cgroup v{pids.version})" if pids is not None else ""),
-            f"[limits] processes is not enforced ({'; '.join(pids_why)}); a fork bomb fails "
-            "only the calls that find no pid for their worker, the pool keeps serving",
-        ),
+        _process_limit_check(pids, pids_why, child.get("user_namespaces") == ENTERED),
         Check(
             "immortal template",
             immortal.supported(),
