@@ -285,8 +285,12 @@ async def test_stale_pool_cgroups_of_dead_templates_are_removed(
 def test_doctor_says_why_the_limit_is_not_enforced_where_cgroupfs_is_read_only() -> None:
     """cgroupfs read-only in a private mount namespace (the host's mounts are left as they are):
     doctor reports the limit as not enforced, and why."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for a private mount namespace")
+    if (
+        os.geteuid() != 0
+        or shutil.which("unshare") is None
+        or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0
+    ):
+        pytest.skip("needs root with CAP_SYS_ADMIN and unshare(1) for a private mount namespace")
     remounts = "; ".join(
         f"mount -o remount,bind,ro {mount}"
         for mount in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")

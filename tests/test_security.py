@@ -435,6 +435,7 @@ def endpoint(pool: Pool) -> str:
     return f"{pool._runtime_dir}/coordinator.sock"
 
 
+@pytest.mark.needs("mount namespaces")
 async def test_the_coordinators_socket_is_out_of_reach(pool: Pool) -> None:
     path = endpoint(pool)
     command = (
