@@ -530,6 +530,14 @@ class Pool:
         """The older name of ``interrupted``, kept for callers that use it."""
         return self.interrupted
 
+    @property
+    def views(self) -> bool:
+        """Whether a call may have a ``view``: its worker makes a mount namespace of its own,
+        which is where it has a PID namespace too (root with CAP_SYS_ADMIN, or a user
+        namespace per worker); not in the fallback (a container's root, user namespaces
+        refused), where such a call ends as ``error``. False until the pool has started."""
+        return self._template is not None and self._template.containment == "pidns"
+
     def running(self) -> list[dict[str, Any]]:
         """Calls a worker has taken and not finished: call id, tool, worker pid, seconds so far."""
         now = time.monotonic()

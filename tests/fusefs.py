@@ -64,14 +64,29 @@ def missing_fuse() -> str | None:
     return None
 
 
+def unmountable_here() -> str | None:
+    """Why this process may not mount a FUSE filesystem though FUSE is installed, or None: the
+    environment's own limit, not a missing package (an unprivileged user not allowed
+    /dev/fuse; a container's root, whose bounding set leaves the set-uid fusermount3 no
+    CAP_SYS_ADMIN to mount with)."""
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "/dev/fuse: permission denied to this user"
+    with open("/proc/self/status") as f:
+        bounding = next(int(line.split()[1], 16) for line in f if line.startswith("CapBnd:"))
+    if not bounding & (1 << 21):  # CAP_SYS_ADMIN
+        return "no CAP_SYS_ADMIN in the bounding set: fusermount3 cannot mount (a container)"
+    return None
+
+
 def require_fuse() -> None:
-    """Skip without FUSE, except under CI=true, where a missing FUSE is a failure."""
+    """Skip without FUSE, except under CI=true, where a missing FUSE is a failure (CI installs
+    it); an environment that may not mount one (``unmountable_here``) skips even there."""
     reason = missing_fuse()
-    if reason is None:
-        return
-    if os.environ.get("CI") == "true":
+    if reason is not None and os.environ.get("CI") == "true":
         pytest.fail(f"FUSE is required under CI: {reason}")
-    pytest.skip(f"FUSE unavailable: {reason}")
+    reason = reason or unmountable_here()
+    if reason is not None:
+        pytest.skip(f"FUSE unavailable: {reason}")
 
 
 class HungFs:

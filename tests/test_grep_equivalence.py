@@ -110,6 +110,7 @@ def python_pattern(pattern: str) -> str:
 
 
 @pytest.mark.parametrize(("args", "options"), OPTIONS)
+@pytest.mark.needs("grep runs rg")
 async def test_both_engines_answer_as_rg(
     pool: Pool, tree: Path, args: dict[str, Any], options: list[str]
 ) -> None:
@@ -127,6 +128,7 @@ async def test_both_engines_answer_as_rg(
     assert not any(path.startswith(".git/") for path, _ in rg_lines(tree, ".", options))
 
 
+@pytest.mark.needs("grep runs rg")
 async def test_text_is_the_line_without_its_end(pool: Pool, tree: Path) -> None:
     outcome = await pool.call("grep", {"pattern": "needle", "path": "src/crlf.txt"})
     assert outcome.value is not None
@@ -188,6 +190,7 @@ async def test_output_modes_context_and_multiline(pool: Pool, tree: Path, engine
     assert (await grep(pattern=r"def main\(\):.*print"))["matches"] == []
 
 
+@pytest.mark.needs("grep runs rg")
 async def test_a_huge_match_count_stays_bounded(pool: Pool, tree: Path) -> None:
     (tree / "big.txt").write_bytes(b"needle\n" * 2_000_000)  # 14 MB of matching lines
     outcome = await pool.call("grep", {"pattern": "needle", "max_results": 50}, timeout=60)

@@ -199,18 +199,17 @@ class SecretsLayer:
     @classmethod
     def build(cls, tree: SecretTree) -> SecretsLayer:
         ruleset = landlock.Ruleset(handled_fs=SECRETS_LAYER)
-        rules: list[landlock.PathBeneath] = []
+        rules = _Batch(ruleset)
         listed: list[Listed] = []
         try:
             root = os.open("/", os.O_PATH | os.O_CLOEXEC)
             _grant_beneath(root, "/", tree, rules, listed)
-            ruleset.allow_all(rules)
+            rules.flush()
         except OSError:
             ruleset.close()
             raise
         finally:
-            for rule in rules:
-                rule.close()
+            rules.close()
         return cls(ruleset, listed)
 
     def fresh(self) -> bool:
@@ -253,18 +252,51 @@ def _tree_paths(tree: SecretTree, above: str) -> Iterator[str]:
             yield from _tree_paths(subtree, path)
 
 
+class _Batch:
+    """Rules on their way into a ruleset, added a few at a time: each holds a descriptor open
+    until it is added, and a directory of a few hundred entries must not need as many (a pool
+    under `ulimit -n 64` would otherwise build a layer with entries silently left out)."""
+
+    #: Rules added with one attribute struct at a time (landlock.Ruleset.allow_all).
+    SIZE = 16
+
+    def __init__(self, ruleset: landlock.Ruleset) -> None:
+        self.ruleset = ruleset
+        self.pending: list[landlock.PathBeneath] = []
+
+    def append(self, rule: landlock.PathBeneath) -> None:
+        self.pending.append(rule)
+        if len(self.pending) >= self.SIZE:
+            self.flush()
+
+    def flush(self) -> None:
+        try:
+            self.ruleset.allow_all(self.pending)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        while self.pending:
+            self.pending.pop().close()
+
+
 def _grant_beneath(
-    dir_fd: int,
-    path: str,
-    tree: SecretTree,
-    rules: list[landlock.PathBeneath],
-    listed: list[Listed],
+    dir_fd: int, path: str, tree: SecretTree, rules: _Batch, listed: list[Listed]
 ) -> None:
     """Rules for what lies beneath the directory ``dir_fd`` (O_PATH, taken over), which holds
     the secrets ``tree`` names: a rule for each entry, the secrets and the symlinks left out."""
-    # The directory itself: moving files beneath it (no move may gain a read it lacked), no
-    # reading beneath it as a whole.
-    rules.append(landlock.PathBeneath(dir_fd, landlock.REFER, (0, 0)))
+    try:
+        _grant_entries(dir_fd, path, tree, rules, listed)
+        # The directory itself: moving files beneath it (no move may gain a read it lacked),
+        # no reading beneath it as a whole. Added last: its descriptor serves the openat()s.
+        rules.append(landlock.PathBeneath(os.dup(dir_fd), landlock.REFER, (0, 0)))
+    finally:
+        os.close(dir_fd)
+
+
+def _grant_entries(
+    dir_fd: int, path: str, tree: SecretTree, rules: _Batch, listed: list[Listed]
+) -> None:
     listing = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         found = os.fstat(listing)
@@ -278,8 +310,8 @@ def _grant_beneath(
             continue  # a symlink: what it leads to is read as its own rules say
         try:
             fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        except OSError:
-            continue  # gone since it was listed
+        except FileNotFoundError:
+            continue  # gone since it was listed (any other failure fails the layer whole)
         subtree = tree.get(name)
         if subtree is not None:
             _grant_beneath(fd, os.path.join(path, name), subtree, rules, listed)

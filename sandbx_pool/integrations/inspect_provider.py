@@ -168,11 +168,6 @@ def _key(settings: SandbxConfig) -> str:
 
 
 async def _open_task(settings: SandbxConfig) -> _Task:
-    if settings.view == "sample" and os.geteuid() != 0:
-        raise RuntimeError(
-            "sandbx: view='sample' needs the pool to run as root (a mount namespace per call);"
-            " use SandbxConfig(view='host') for the local provider's semantics"
-        )
     # Whole streams (Inspect's exec has its own limit, checked below), not head and tail;
     # stdout and stderr apart, as ExecResult has them (merge_stderr stays off).
     config = load_config(settings.pool_config).override(
@@ -190,6 +185,13 @@ async def _open_task(settings: SandbxConfig) -> _Task:
     if settings.workers is None:
         pool.admit(inspect_eval.max_subprocesses() or 0)  # inspect_eval: why
     await pool.start()
+    if settings.view == "sample" and not pool.views:
+        await pool.close()
+        raise RuntimeError(
+            "sandbx: view='sample' needs a mount namespace per call (a root pool with"
+            " CAP_SYS_ADMIN, or user namespaces: `sandbx-pool doctor` says which this machine"
+            " has); use SandbxConfig(view='host') for the local provider's semantics"
+        )
     try:
         # An eval killed or interrupted never runs its cleanup: its task's directory (every
         # sample's files) is removed by the next one here, once its owner is gone. In a thread
