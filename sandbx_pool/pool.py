@@ -56,7 +56,8 @@ from sandbx_pool import descriptors, preflight
 from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
-from sandbx_pool.config import Config, JournalPolicy, load_config
+from sandbx_pool.changes import ChangeSets, store_dir
+from sandbx_pool.config import ChangeMode, Config, JournalPolicy, change_mode, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
@@ -65,6 +66,7 @@ from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
 from sandbx_pool.journal.records import IntentRecord
 from sandbx_pool.journal.store import Journal
+from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputCallback
@@ -100,6 +102,7 @@ from sandbx_pool.workers.protocol import (
     Spawned,
     SpawnFailed,
 )
+from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
 
 
 class PoolState(enum.IntEnum):
@@ -120,8 +123,13 @@ class Pool:
         journal: str | os.PathLike[str] | None = None,
         config: str | os.PathLike[str] | Config | None = None,
         approve: Approver | None = None,
+        changes: str | None = None,
     ) -> None:
         self.config = config if isinstance(config, Config) else load_config(config)
+        #: What calls may do to the workspace unless they say (sandbx_pool.changes).
+        self.changes = change_mode(
+            changes if changes is not None else self.config.workspace.changes
+        )
         if workers is not None:
             self.config = self.config.override(pool={"workers": workers})
         # abspath is lexical: the coordinator never touches the workspace's filesystem.
@@ -156,6 +164,7 @@ class Pool:
         # What close() releases, released by the collector (or at exit) if close() never runs.
         self._remains = Remains()
         self._remains.workers = self._workers.by_token
+        self._change_sets: ChangeSets | None = None
         self._finalizer = weakref.finalize(self, release, self._remains)
 
     def __repr__(self) -> str:
@@ -349,6 +358,7 @@ class Pool:
         on_output: OutputCallback | None = None,
         view: str | None = None,
         workspace: str | None = None,
+        changes: str | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
 
@@ -364,6 +374,10 @@ class Pool:
         container's (workers.view): the system read-only, the directories it holds read-write,
         nothing else of the host. ``cwd`` and the tool's paths are then paths in the view
         (relative ones to ``/``). Needs a root pool; elsewhere the call ends as ``error``.
+
+        ``changes``: this call's change mode, ``"direct"``, ``"tracked"`` or
+        ``"transactional"`` (default: the pool's); see sandbx_pool.changes. Outside direct
+        mode the outcome's ``changes`` lists what the call did to the workspace.
         """
         if self.state is PoolState.NEW:
             raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
@@ -372,6 +386,7 @@ class Pool:
         if self._template_lost:
             raise TemplateLost("the worker template died; open a new pool")
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
+        mode = change_mode(changes) if changes is not None else self.changes
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
@@ -390,6 +405,7 @@ class Pool:
             workspace=_normalised(workspace) if workspace is not None else self.workspace,
         )
         call.on_output = on_output
+        call.changes = mode
         unsubscribe = token_subscription(cancel, call)
         driver = asyncio.create_task(call.drive(self.journal, partial(self._run, call)))
         driver.set_name(call.call_id)
@@ -409,14 +425,111 @@ class Pool:
         # Checks that need no process, in order: nothing is forked for a refused call.
         if call.killer is not None:
             return call.killed_outcome()
+        tracked = call.changes is not ChangeMode.DIRECT
+        keeps_changes = tracked and call.tool in SIDE_EFFECT_TOOLS
+        try:
+            store = self._changes_store() if keeps_changes else None
+        except OSError as exc:
+            return call.outcome(Status.ERROR, error=f"cannot keep the call's changes: {exc}")
         payload = preflight.prepare(call, self._side())
         if isinstance(payload, Outcome):
             return payload
+        if store is not None:
+            try:
+                payload = self._keep_changes_apart(call, store)
+            except (OSError, Unsendable) as exc:
+                return call.outcome(Status.ERROR, error=f"cannot keep the call's changes: {exc}")
         if self.state is not PoolState.OPEN or self._template_lost:
             call.request_kill(KilledBy.SHUTDOWN, "pool closing")
         try:
             worker = await self._acquire(call)
         except WorkersFailToStart as exc:
+            return call.outcome(Status.ERROR, error=str(exc))
+        if worker is None:
+            return call.killed_outcome()
+        outcome = await self._execute(call, worker, payload)
+        if call.changes_dir is not None:
+            return await self._settle_changes(call, outcome)
+        return msgspec.structs.replace(outcome, changes=[]) if tracked else outcome
+
+    # -- change sets (sandbx_pool.changes) ----------------------------------------------------
+
+    def _changes_store(self) -> ChangeSets:
+        """The pool's change sets, beside its journal (in its runtime directory without one:
+        gone with the pool), hidden from every call from the first one on."""
+        if self._change_sets is None:
+            assert self._runtime_dir is not None
+            assert self._sandbox is not None
+            root = (
+                store_dir(self.journal.path)
+                if self.journal is not None
+                else os.path.join(self._runtime_dir, "changes")
+            )
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            self._change_sets = ChangeSets(root)
+            hidden = (*self._sandbox.hidden, os.path.realpath(root))
+            self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
+        return self._change_sets
+
+    def _keep_changes_apart(self, call: CallState, store: ChangeSets) -> bytes:
+        """Give the call its overlay's directory; the Call encoded again with it."""
+        call.changes_dir = store.make_call_dir(call.call_id)
+        assert call.context is not None
+        call.context = msgspec.structs.replace(call.context, changes_dir=call.changes_dir)
+        return encode_call(call)
+
+    async def _settle_changes(self, call: CallState, outcome: Outcome) -> Outcome:
+        """Scan the call's change set and apply it or not (tracked: always; transactional:
+        if ok and without conflict), through a worker on the real workspace."""
+        store = self._changes_store()
+        apply = call.changes is ChangeMode.TRACKED or outcome.status is Status.OK
+        async with store.lock:
+            taken = (
+                store.taken_since(call.started_at)
+                if call.changes is ChangeMode.TRANSACTIONAL
+                else {}
+            )
+            target = call.view or call.workspace or self.workspace
+            if apply and self.journal is not None:
+                try:
+                    await self.journal.applying(call.call_id, target)
+                except JournalWriteError as exc:
+                    apply, error = False, f"its changes were not applied: {exc}"
+                    outcome = msgspec.structs.replace(outcome, status=Status.ERROR, error=error)
+            assert call.changes_dir is not None
+            args = {
+                "call_id": call.call_id,
+                "upper": os.path.join(call.changes_dir, "upper"),
+                "images": store.images(call.call_id),
+                "objects": store.objects,
+                "apply": apply,
+                "taken": taken,
+            }
+            done = await self._internal(f"{call.call_id}-changes", "_apply_changes", args, target)
+            if done.value is not None and done.value.get("applied"):
+                listed = done.value["changes"]
+                paths = frozenset(change["path"] for change in listed)
+                store.record(time.monotonic(), call.call_id, paths)
+        return _with_changes(outcome, done)
+
+    async def _internal(
+        self, call_id: str, tool: str, args: dict[str, Any], workspace: str
+    ) -> Outcome:
+        """Run one of the coordinator's own actions on a worker confined to ``workspace``,
+        the change sets' directory writable besides."""
+        call = CallState(call_id, tool, args, None, workspace=workspace)
+        context = preflight.call_context(call, workspace, self._side())
+        store = self._changes_store()
+        box = context.sandbox
+        call.context = msgspec.structs.replace(
+            context,
+            workspace=workspace,
+            sandbox=msgspec.structs.replace(box, writable=(*box.writable, store.root)),
+        )
+        try:
+            payload = encode_call(call)
+            worker = await self._acquire(call)
+        except (WorkersFailToStart, Unsendable) as exc:
             return call.outcome(Status.ERROR, error=str(exc))
         if worker is None:
             return call.killed_outcome()
@@ -545,6 +658,26 @@ class Pool:
         """Workers that did not die after SIGKILL: the worker's pid and state, and the process
         the kernel holds (``stuck_pid``, the worker or a descendant) with where (``wchan``)."""
         return [worker.stuck_report() for worker in self._workers.quarantined()]
+
+
+def _with_changes(outcome: Outcome, done: Outcome) -> Outcome:
+    """``outcome`` with what ``_apply_changes`` answered: the change list, a conflict (status
+    error, CONFLICT), or the reason the change set could not be read or applied."""
+    value = done.value
+    if value is None:
+        error = f"the call's changes could not be read or applied: {done.error}"
+        return msgspec.structs.replace(outcome, status=Status.ERROR, error=error, changes=None)
+    listed: list[dict[str, Any]] = value["changes"]
+    conflict = value.get("conflict")
+    if conflict is not None and outcome.status is Status.OK:
+        error = (
+            f"conflict: {conflict['path']} was changed by call {conflict['call_id']} while this"
+            " call ran; its changes were not applied"
+        )
+        return msgspec.structs.replace(
+            outcome, status=Status.ERROR, error=error, error_code="CONFLICT", changes=listed
+        )
+    return msgspec.structs.replace(outcome, changes=listed)
 
 
 def _normalised(path: str) -> str:

@@ -89,6 +89,10 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: The pool's own workspace. A call's ``workspace`` or view below it is reached from it one
     #: name at a time, never through a symlink an earlier call planted (workers.paths.reach).
     workspace_root: str | None = None
+    #: Tracked and transactional mode: the call's own directory beside the journal, holding
+    #: ``upper`` and ``work``; the worker mounts an overlay on the workspace with them
+    #: (workers.overlay), so the call changes only ``upper``. None: the workspace itself.
+    changes_dir: str | None = None
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool.workers import cgroups, containment, sandbox, stopping, streaming, zmtp
+from sandbx_pool.workers import cgroups, containment, overlay, sandbox, stopping, streaming, zmtp
 from sandbx_pool.workers.errors import LimitExceeded, ToolError
 from sandbx_pool.workers.protocol import (
     MAX_MESSAGE_BYTES,
@@ -262,6 +262,16 @@ def _wait_for_call(
                 return payload, joined
 
 
+def _keep_changes_apart(call: Call, prepared: sandbox.Prepared) -> None:
+    """Tracked and transactional mode: the call sees its workspace through its overlay
+    (workers.overlay). The template's file rules hold the workspace's own directory, which the
+    overlay now covers: the call builds its rules on what it sees."""
+    overlay.enter(call.context)
+    if prepared.file_rules is not None:
+        prepared.file_rules.close()
+        prepared.file_rules = None
+
+
 def serve(
     token: str,
     endpoint: str,
@@ -326,8 +336,10 @@ def serve(
             # of a read's CPU each, measured). With no limit too: without a PID namespace, the
             # cgroup is where what the command left is found (kill_others below).
             _cap_processes(pids_cgroup, processes, joined)
+        if call.context.changes_dir is not None:
+            _keep_changes_apart(call, prepared)
         confinement = sandbox.confine(call, prepared, runs_programs=runs_programs)
-    except sandbox.SandboxError as exc:
+    except (sandbox.SandboxError, overlay.OverlayError) as exc:
         result = Result(call_id=call.context.call_id, status="error", error=str(exc))
     else:
         result = run_call(confinement.call)

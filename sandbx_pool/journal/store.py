@@ -40,11 +40,13 @@ from sandbx_pool.errors import JournalError, JournalLocked
 from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.reader import JournalScan
 from sandbx_pool.journal.records import (
+    ApplyingRecord,
     InDoubtRecord,
     IntentRecord,
     JournalRecord,
     OutcomeRecord,
     StartedRecord,
+    UndoneRecord,
     summarize,
 )
 from sandbx_pool.journal.writer import JournalWriteError, JournalWriter, RecordMaker, Waiter
@@ -167,6 +169,7 @@ class Journal:
         cwd: str,
         timeout_s: float | None,
         workspace: str | None = None,
+        changes: str | None = None,
     ) -> None:
         """Journal a call about to be dispatched; return once it is as durable as required.
 
@@ -191,6 +194,7 @@ class Journal:
                 cwd=cwd,
                 timeout_s=timeout_s,
                 workspace=workspace,
+                changes=changes,
             )
 
         if call_id in self._open_calls:
@@ -212,6 +216,23 @@ class Journal:
         self._put(
             lambda: StartedRecord(call_id=call_id, time=stamp, pid=pid),
             sync=self._policy is JournalPolicy.ALWAYS,
+        )
+
+    async def applying(self, call_id: str, workspace: str) -> None:
+        """Journal that a call's change set is about to be applied; return once it is on disk
+        (written only, under policy OFF). Raises ``JournalWriteError``: nothing is applied."""
+        stamp = time.time()
+        await self._wait(
+            lambda: ApplyingRecord(call_id=call_id, time=stamp, workspace=workspace),
+            sync=self._policy is not JournalPolicy.OFF,
+        )
+
+    async def undone(self, call_id: str, paths: list[str]) -> None:
+        """Journal an undo of ``call_id``'s changes; return once it is as durable as intents."""
+        stamp = time.time()
+        await self._wait(
+            lambda: UndoneRecord(call_id=call_id, time=stamp, paths=paths),
+            sync=self._policy is not JournalPolicy.OFF,
         )
 
     def outcome(self, outcome: Outcome) -> None:

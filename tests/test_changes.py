@@ -1,0 +1,192 @@
+"""What a call changes in the workspace: tracked and transactional mode, on a real pool with a
+real overlay (these tests run as root: the overlay needs a mount namespace)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import marked_config
+from helpers import journal_records
+
+from sandbx_pool import Config, ConfigError, Pool, Status
+from sandbx_pool.config import load_config
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="an overlay needs a root pool")
+
+
+def _by_path(changes: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    assert changes is not None
+    return {change["path"]: change for change in changes}
+
+
+def _config(tmp_path: Path) -> Config:
+    sync = tmp_path / "sync"
+    sync.mkdir(exist_ok=True)
+    return marked_config(pool={"workers": 4}, sandbox={"writable": [str(sync)]})
+
+
+async def test_tracked_bash_lists_exactly_what_it_changed(workspace: Path, tmp_path: Path) -> None:
+    (workspace / "b").write_text("b\n")
+    (workspace / "c").write_text("c\n")
+    (workspace / "m").write_text("m\n")
+    (workspace / "same").write_text("same\n")
+    (workspace / "gone").mkdir()
+    (workspace / "gone" / "x").write_text("x\n")
+    journal = tmp_path / "j.jsonl"
+    command = (
+        "echo a > a; echo more >> b; rm c; touch t; rm t; chmod 600 m; touch same;"
+        " rm -r gone; mkdir -p new/dir; ln -s a link"
+    )
+    async with Pool(
+        workspace, journal=journal, config=_config(tmp_path), changes="tracked"
+    ) as pool:
+        outcome = await pool.call("bash", {"command": command})
+    assert outcome.status is Status.OK, outcome.error
+    changes = _by_path(outcome.changes)
+    assert set(changes) == {"a", "b", "c", "m", "gone", "gone/x", "new", "new/dir", "link"}
+    assert changes["a"] == {
+        "path": "a",
+        "kind": "created",
+        "type": "file",
+        "size": 2,
+        "applied": True,
+    }
+    assert changes["b"]["kind"] == "modified"
+    assert changes["b"]["size"] == 7
+    assert changes["c"] == {
+        "path": "c",
+        "kind": "deleted",
+        "type": "file",
+        "size": None,
+        "applied": True,
+    }
+    assert changes["m"]["kind"] == "modified"  # its mode alone
+    assert changes["gone"]["kind"] == changes["gone/x"]["kind"] == "deleted"
+    assert changes["gone"]["type"] == "dir"
+    assert changes["new/dir"]["kind"] == "created"
+    assert changes["new/dir"]["type"] == "dir"
+    assert changes["link"]["type"] == "symlink"
+    # tracked: every change is in the workspace
+    assert (workspace / "a").read_text() == "a\n"
+    assert (workspace / "b").read_text() == "b\nmore\n"
+    assert not (workspace / "c").exists()
+    assert not (workspace / "gone").exists()
+    assert stat.S_IMODE((workspace / "m").stat().st_mode) == 0o600
+    assert os.readlink(workspace / "link") == "a"
+    assert (workspace / "new" / "dir").is_dir()
+    outcome_record = next(r for r in journal_records(str(journal)) if r["kind"] == "outcome")
+    assert _by_path(outcome_record["changes"]) == changes
+
+
+async def test_tracked_file_tools_and_read_only_tools(workspace: Path, tmp_path: Path) -> None:
+    async with Pool(workspace, journal=tmp_path / "j.jsonl", config=_config(tmp_path)) as pool:
+        direct = await pool.call("write", {"path": "d.txt", "content": "d"})
+        written = await pool.call("write", {"path": "w.txt", "content": "w"}, changes="tracked")
+        edited = await pool.call(
+            "edit",
+            {"path": "hello.txt", "old_string": "world", "new_string": "there"},
+            changes="tracked",
+        )
+        read = await pool.call("read", {"path": "w.txt"}, changes="tracked")
+    assert direct.changes is None
+    assert written.changes == [
+        {"path": "w.txt", "kind": "created", "type": "file", "size": 1, "applied": True}
+    ]
+    assert edited.changes == [
+        {"path": "hello.txt", "kind": "modified", "type": "file", "size": 12, "applied": True}
+    ]
+    assert (workspace / "hello.txt").read_text() == "hello\nthere\n"
+    assert read.ok
+    assert read.changes == []
+
+
+async def test_transactional_timeout_leaves_the_workspace_as_it_was(
+    workspace: Path, tmp_path: Path
+) -> None:
+    before = (workspace / "hello.txt").read_bytes()
+    async with Pool(
+        workspace, journal=tmp_path / "j.jsonl", config=_config(tmp_path), changes="transactional"
+    ) as pool:
+        outcome = await pool.call(
+            "bash",
+            {"command": "echo half > hello.txt; echo new > new.txt; rm -r src; sleep 100"},
+            timeout=1.0,
+        )
+        kept = await pool.call("bash", {"command": "echo done > done.txt"})
+    assert outcome.status is Status.TIMEOUT
+    changes = _by_path(outcome.changes)
+    assert set(changes) == {"hello.txt", "new.txt", "src", "src/a.py"}
+    assert not any(change["applied"] for change in changes.values())
+    assert (workspace / "hello.txt").read_bytes() == before
+    assert not (workspace / "new.txt").exists()
+    assert (workspace / "src" / "a.py").exists()
+    # kept aside for inspection, beside the journal
+    upper = tmp_path / "j.jsonl.d" / "changes" / outcome.call_id / "upper"
+    assert (upper / "new.txt").read_text() == "new\n"
+    assert kept.ok
+    assert _by_path(kept.changes)["done.txt"]["applied"] is True
+    assert (workspace / "done.txt").read_text() == "done\n"
+
+
+async def _wait_for_fifo_reader(fifo: Path) -> int:
+    """Open ``fifo`` for writing once a call has it open for reading (polling the outside
+    world: the call's command)."""
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.02)
+
+
+async def test_transactional_calls_see_no_uncommitted_change_and_conflict(
+    workspace: Path, tmp_path: Path
+) -> None:
+    config = _config(tmp_path)
+    first, second = tmp_path / "sync" / "first", tmp_path / "sync" / "second"
+    os.mkfifo(first)
+    os.mkfifo(second)
+    async with Pool(
+        workspace, journal=tmp_path / "j.jsonl", config=config, changes="transactional"
+    ) as pool:
+        a = asyncio.create_task(
+            pool.call("bash", {"command": f"echo A > shared; echo a > only_a; cat {first}"})
+        )
+        b = asyncio.create_task(pool.call("bash", {"command": f"echo B > shared; cat {second}"}))
+        fd_a = await _wait_for_fifo_reader(first)
+        fd_b = await _wait_for_fifo_reader(second)
+        seen = await pool.call("bash", {"command": "cat shared only_a"})
+        assert seen.value is not None
+        assert seen.value["exit_code"] != 0  # neither exists yet
+        assert not (workspace / "shared").exists()
+        os.close(fd_a)
+        outcome_a = await a
+        os.close(fd_b)
+        outcome_b = await b
+    assert outcome_a.ok, outcome_a.error
+    assert (workspace / "shared").read_text() == "A\n"
+    assert outcome_b.status is Status.ERROR
+    assert outcome_b.error_code == "CONFLICT"
+    assert outcome_b.error is not None
+    assert "shared" in outcome_b.error
+    assert outcome_a.call_id in outcome_b.error
+    assert _by_path(outcome_b.changes)["shared"]["applied"] is False
+
+
+async def test_an_unknown_mode_is_refused_naming_the_three(workspace: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'direct', 'tracked', 'transactional'"):
+        Pool(workspace, changes="snapshot")
+    async with Pool(workspace, config=_config(tmp_path)) as pool:
+        with pytest.raises(ValueError, match="'direct', 'tracked', 'transactional'"):
+            await pool.call("read", {"path": "hello.txt"}, changes="rewind")
+    toml = tmp_path / "bad.toml"
+    toml.write_text('[workspace]\nchanges = "snapshot"\n')
+    with pytest.raises(ConfigError, match=r"workspace\.changes: .*'transactional'"):
+        load_config(toml)
