@@ -66,7 +66,6 @@ from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
 from sandbx_pool.journal.records import IntentRecord
 from sandbx_pool.journal.store import Journal
-from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputCallback
@@ -240,6 +239,8 @@ class Pool:
         self._workers.forking = True
         self._act(self._workers.replenish())
         await self._remove_leftovers()
+        if self.journal is not None and self.journal.unfinished_applies:
+            await self._changes_store().finish_interrupted(self.journal, self._internal)
 
     def admit(self, calls: int) -> None:
         """Run at least ``calls`` calls at once from now on (``workers`` is only ever raised).
@@ -479,38 +480,34 @@ class Pool:
         return encode_call(call)
 
     async def _settle_changes(self, call: CallState, outcome: Outcome) -> Outcome:
-        """Scan the call's change set and apply it or not (tracked: always; transactional:
-        if ok and without conflict), through a worker on the real workspace."""
-        store = self._changes_store()
-        apply = call.changes is ChangeMode.TRACKED or outcome.status is Status.OK
-        async with store.lock:
-            taken = (
-                store.taken_since(call.started_at)
-                if call.changes is ChangeMode.TRANSACTIONAL
-                else {}
-            )
-            target = call.view or call.workspace or self.workspace
-            if apply and self.journal is not None:
-                try:
-                    await self.journal.applying(call.call_id, target)
-                except JournalWriteError as exc:
-                    apply, error = False, f"its changes were not applied: {exc}"
-                    outcome = msgspec.structs.replace(outcome, status=Status.ERROR, error=error)
-            assert call.changes_dir is not None
-            args = {
-                "call_id": call.call_id,
-                "upper": os.path.join(call.changes_dir, "upper"),
-                "images": store.images(call.call_id),
-                "objects": store.objects,
-                "apply": apply,
-                "taken": taken,
-            }
-            done = await self._internal(f"{call.call_id}-changes", "_apply_changes", args, target)
-            if done.value is not None and done.value.get("applied"):
-                listed = done.value["changes"]
-                paths = frozenset(change["path"] for change in listed)
-                store.record(time.monotonic(), call.call_id, paths)
-        return _with_changes(outcome, done)
+        """Apply the call's change set or keep it aside (sandbx_pool.changes)."""
+        return await self._changes_store().settle(
+            call_id=call.call_id,
+            mode=call.changes,
+            started_at=call.started_at,
+            outcome=outcome,
+            workspace=call.view or call.workspace or self.workspace,
+            journal=self.journal,
+            run=self._internal,
+            oldest_running=self._oldest_running(),
+        )
+
+    def _oldest_running(self) -> float:
+        return min((c.started_at for c in self._calls.values()), default=time.monotonic())
+
+    async def undo(self, call_id: str) -> list[str]:
+        """Put back every path a tracked or transactional call changed as it was before the
+        call (content, mode, deleted files back, created ones gone); journaled. Returns the
+        paths. Raises UndoConflict, changing nothing, when one of them was changed since (the
+        error names it and the later call); ValueError when the call has nothing to undo
+        (unknown, made in direct mode, its changes never applied, its pre-images gone)."""
+        if self.state is not PoolState.OPEN:
+            raise PoolClosed("the pool is not open")
+        if self.journal is None:
+            raise ValueError("undo needs the pool's journal: this pool has none")
+        return await self._changes_store().undo(
+            call_id, self.journal, self._internal, oldest_running=self._oldest_running()
+        )
 
     async def _internal(
         self, call_id: str, tool: str, args: dict[str, Any], workspace: str
@@ -658,26 +655,6 @@ class Pool:
         """Workers that did not die after SIGKILL: the worker's pid and state, and the process
         the kernel holds (``stuck_pid``, the worker or a descendant) with where (``wchan``)."""
         return [worker.stuck_report() for worker in self._workers.quarantined()]
-
-
-def _with_changes(outcome: Outcome, done: Outcome) -> Outcome:
-    """``outcome`` with what ``_apply_changes`` answered: the change list, a conflict (status
-    error, CONFLICT), or the reason the change set could not be read or applied."""
-    value = done.value
-    if value is None:
-        error = f"the call's changes could not be read or applied: {done.error}"
-        return msgspec.structs.replace(outcome, status=Status.ERROR, error=error, changes=None)
-    listed: list[dict[str, Any]] = value["changes"]
-    conflict = value.get("conflict")
-    if conflict is not None and outcome.status is Status.OK:
-        error = (
-            f"conflict: {conflict['path']} was changed by call {conflict['call_id']} while this"
-            " call ran; its changes were not applied"
-        )
-        return msgspec.structs.replace(
-            outcome, status=Status.ERROR, error=error, error_code="CONFLICT", changes=listed
-        )
-    return msgspec.structs.replace(outcome, changes=listed)
 
 
 def _normalised(path: str) -> str:

@@ -4,6 +4,7 @@ real overlay (these tests run as root: the overlay needs a mount namespace)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 from pathlib import Path
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 from conftest import marked_config
 from helpers import journal_records
+from test_cli import cli, one_line
 
-from sandbx_pool import Config, ConfigError, Pool, Status
+from sandbx_pool import Config, ConfigError, Pool, Status, UndoConflict
 from sandbx_pool.config import load_config
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="an overlay needs a root pool")
@@ -190,3 +192,94 @@ async def test_an_unknown_mode_is_refused_naming_the_three(workspace: Path, tmp_
     toml.write_text('[workspace]\nchanges = "snapshot"\n')
     with pytest.raises(ConfigError, match=r"workspace\.changes: .*'transactional'"):
         load_config(toml)
+
+
+async def test_undo_puts_back_what_the_call_changed(workspace: Path, tmp_path: Path) -> None:
+    (workspace / "b").write_text("b\n")
+    (workspace / "c").write_text("c\n")
+    (workspace / "m").write_text("m\n")
+    os.chmod(workspace / "m", 0o644)
+    journal = tmp_path / "j.jsonl"
+    command = "echo a > a; echo more >> b; rm c; chmod 600 m; rm -r src; mkdir -p n/d"
+    async with Pool(
+        workspace, journal=journal, config=_config(tmp_path), changes="tracked"
+    ) as pool:
+        outcome = await pool.call("bash", {"command": command})
+        assert outcome.ok, outcome.error
+        assert not (workspace / "src").exists()
+        undone = await pool.undo(outcome.call_id)
+        assert set(undone) == {"a", "b", "c", "m", "src", "src/a.py", "n", "n/d"}
+        assert not (workspace / "a").exists()
+        assert not (workspace / "n").exists()
+        assert (workspace / "b").read_text() == "b\n"
+        assert (workspace / "c").read_text() == "c\n"
+        assert stat.S_IMODE((workspace / "m").stat().st_mode) == 0o644
+        assert (workspace / "src" / "a.py").read_text() == "import os\nprint('a')\n"
+        # Undone already: its paths are no longer what the call left.
+        with pytest.raises(UndoConflict, match=f"undo of {outcome.call_id}") as refused:
+            await pool.undo(outcome.call_id)
+        assert refused.value.later_call == f"undo of {outcome.call_id}"
+    kinds = [record["kind"] for record in journal_records(str(journal))]
+    assert kinds.count("undone") == 1
+
+
+async def test_undo_refuses_a_path_a_later_call_changed(workspace: Path, tmp_path: Path) -> None:
+    journal = tmp_path / "j.jsonl"
+    async with Pool(
+        workspace, journal=journal, config=_config(tmp_path), changes="tracked"
+    ) as pool:
+        first = await pool.call("bash", {"command": "echo 1 > f; echo 1 > g"})
+        later = await pool.call("write", {"path": "f", "content": "2\n"})
+        with pytest.raises(UndoConflict, match=f"f was changed by call {later.call_id}") as exc:
+            await pool.undo(first.call_id)
+        assert exc.value.path == "f"
+        # nothing changed, g included
+        assert (workspace / "f").read_text() == "2\n"
+        assert (workspace / "g").read_text() == "1\n"
+        direct = await pool.call("write", {"path": "h", "content": "h"}, changes="direct")
+        with pytest.raises(ValueError, match="direct mode"):
+            await pool.undo(direct.call_id)
+        with pytest.raises(ValueError, match="no call 'nope'"):
+            await pool.undo("nope")
+        os.unlink(tmp_path / "j.jsonl.d" / "changes" / later.call_id / "images.json")
+        with pytest.raises(ValueError, match="pre-images are missing"):
+            await pool.undo(later.call_id)
+    assert (workspace / "f").read_text() == "2\n"
+
+
+def test_the_undo_command(workspace: Path, tmp_path: Path) -> None:
+    journal = tmp_path / "j.jsonl"
+
+    async def calls() -> tuple[str, str]:
+        async with Pool(
+            workspace, journal=journal, config=_config(tmp_path), changes="transactional"
+        ) as pool:
+            first = await pool.call("write", {"path": "hello.txt", "content": "new\n"})
+            second = await pool.call("write", {"path": "other.txt", "content": "o\n"})
+            return first.call_id, second.call_id
+
+    first, second = asyncio.run(calls())
+    base = ["undo", "--journal", str(journal), "--workspace", str(workspace)]
+    assert cli(*base, "nope", cwd=tmp_path).returncode == 2
+    direct_journal = tmp_path / "direct.jsonl"
+    done = cli(*base, first, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"call_id": first, "undone": ["hello.txt"]}
+    assert (workspace / "hello.txt").read_text() == "hello\nworld\n"
+    again = cli(*base, first, cwd=tmp_path)
+    assert again.returncode == 1
+    assert "hello.txt" in again.stderr
+    assert f"undo of {first}" in again.stderr
+    assert (workspace / "other.txt").read_text() == "o\n"
+    assert not direct_journal.exists()
+    missing = cli(
+        "undo",
+        "--journal",
+        str(direct_journal),
+        "--workspace",
+        str(workspace),
+        second,
+        cwd=tmp_path,
+    )
+    assert missing.returncode == 2
+    assert "no such journal" in one_line(missing)

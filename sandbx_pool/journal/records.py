@@ -154,9 +154,11 @@ class InDoubtRecord(Record, tag="in_doubt", frozen=True, kw_only=True):
 class ApplyingRecord(Record, tag="applying", frozen=True, kw_only=True):
     """A call's change set is about to be applied to the workspace (sandbx_pool.changes):
     durable before the first path is touched. Without a later outcome, the apply may be half
-    done; the next coordinator finishes it."""
+    done; the next coordinator finishes it. ``status``: the call's, as it ended."""
 
+    tool: str
     workspace: str
+    status: str
 
 
 class UndoneRecord(Record, tag="undone", frozen=True, kw_only=True):

@@ -74,12 +74,16 @@ class Journal:
         lock_fd: int,
         dir_fd: int,
         interrupted: list[IntentRecord],
+        unfinished_applies: list[ApplyingRecord] | None = None,
     ) -> None:
         self.path = path
+        #: Change sets a previous coordinator began to apply and gave no outcome
+        #: (sandbx_pool.changes finishes them): their calls' outcomes are still to come.
+        self.unfinished_applies = list(unfinished_applies or [])
         self._settings = settings
         self._policy = settings.policy
         self._interrupted = interrupted
-        self._open_calls: set[str] = set()
+        self._open_calls: set[str] = {record.call_id for record in self.unfinished_applies}
         self._closing: asyncio.Future[None] | None = None
         self._writer = JournalWriter(path, settings, fd=fd, lock_fd=lock_fd, dir_fd=dir_fd)
 
@@ -117,6 +121,7 @@ class Journal:
             lock_fd=opened.lock_fd,
             dir_fd=opened.dir_fd,
             interrupted=pending,
+            unfinished_applies=journal_reader.unfinished_applies(opened.scan),
         )
         journal._log_opened(opened.scan)
         if pending:
@@ -218,12 +223,14 @@ class Journal:
             sync=self._policy is JournalPolicy.ALWAYS,
         )
 
-    async def applying(self, call_id: str, workspace: str) -> None:
+    async def applying(self, call_id: str, tool: str, workspace: str, status: str) -> None:
         """Journal that a call's change set is about to be applied; return once it is on disk
         (written only, under policy OFF). Raises ``JournalWriteError``: nothing is applied."""
         stamp = time.time()
         await self._wait(
-            lambda: ApplyingRecord(call_id=call_id, time=stamp, workspace=workspace),
+            lambda: ApplyingRecord(
+                call_id=call_id, time=stamp, tool=tool, workspace=workspace, status=status
+            ),
             sync=self._policy is not JournalPolicy.OFF,
         )
 

@@ -17,7 +17,15 @@ from sandbx_pool.workers.schemas import ApplyChangesArgs, UndoChangesArgs
 
 
 def _listed(items: list[changes.Change], applied: bool) -> list[dict[str, Any]]:
-    return [{**msgspec.to_builtins(item), "applied": applied} for item in items]
+    # A name that is not UTF-8 is shown escaped: the Result and the journal carry text only.
+    return [
+        {**msgspec.to_builtins(item), "path": _shown(item.path), "applied": applied}
+        for item in items
+    ]
+
+
+def _shown(path: str) -> str:
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def apply_changes(args: ApplyChangesArgs, ctx: ExecutionContext) -> dict[str, Any]:
