@@ -241,9 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_parsers(commands)
     add_journal_parser(commands)
-    undo = commands.add_parser(
-        "undo", help="put back what a tracked or transactional call changed"
-    )
+    undo = commands.add_parser("undo", help="put back what a tracked or transactional call changed")
     undo.add_argument("call_id", metavar="CALL_ID")
     undo.add_argument("--journal", required=True, metavar="PATH", help="the call's journal")
     undo.add_argument("--workspace", required=True, help="the call's workspace")
