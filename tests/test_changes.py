@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,9 @@ from helpers import journal_records
 from test_cli import cli, one_line
 
 from sandbx_pool import Config, ConfigError, Pool, Status, UndoConflict
+from sandbx_pool.changes import APPLIED_ON_REOPEN
 from sandbx_pool.config import load_config
+from sandbx_pool.journal.reader import in_doubt_calls, read_journal
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="an overlay needs a root pool")
 
@@ -283,3 +289,83 @@ def test_the_undo_command(workspace: Path, tmp_path: Path) -> None:
     )
     assert missing.returncode == 2
     assert "no such journal" in one_line(missing)
+
+
+_COORDINATOR = """
+import asyncio, sys
+from sandbx_pool import Config, Pool
+
+async def main(workspace, journal):
+    config = Config().override(env={"set": {MARKER: VALUE}})
+    async with Pool(workspace, journal=journal, config=config, workers=2) as pool:
+        calls = [
+            pool.call("bash", {"command": COMMAND}, changes="tracked", call_id="applied"),
+            pool.call("bash", {"command": "echo x >> counter; sleep 100"},
+                      changes="transactional", call_id="kept-aside"),
+            pool.call("bash", {"command": "echo x >> counter; sleep 100"}, call_id="direct"),
+        ]
+        await asyncio.gather(*calls)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+def _kill_once_journaled(workspace: Path, journal: Path, wanted: set[str]) -> None:
+    """Run the coordinator above; SIGKILL it once the journal holds every record ``wanted``
+    ("kind call_id"), polling the outside world (the journal file) with a deadline."""
+    command = "mkdir many; for i in $(seq 1500); do echo $i > many/$i; done"
+    script = _COORDINATOR.replace("COMMAND", repr(command)).replace(
+        "from sandbx_pool import Config, Pool",
+        "from sandbx_pool import Config, Pool\n"
+        f"MARKER, VALUE = 'SANDBX_TEST_SESSION', {os.environ['SANDBX_TEST_SESSION']!r}",
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, str(workspace), str(journal)])
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            assert proc.poll() is None, "the coordinator ended by itself"
+            assert time.monotonic() < deadline, "the journal never held " + repr(wanted)
+            seen = (
+                {f"{r['kind']} {r['call_id']}" for r in journal_records(str(journal))}
+                if journal.exists()
+                else set()
+            )
+            if wanted <= seen:
+                break
+            time.sleep(0.005)  # polling a file another process writes
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def test_an_apply_cut_by_a_crash_is_finished_on_reopen_and_resume_has_no_doubt(
+    workspace: Path, tmp_path: Path
+) -> None:
+    journal = tmp_path / "j.jsonl"
+    wanted = {"applying applied", "started kept-aside", "started direct"}
+    await asyncio.to_thread(_kill_once_journaled, workspace, journal, wanted)
+    records = journal_records(str(journal))
+    assert not [r for r in records if r["kind"] == "outcome" and r["call_id"] == "applied"]
+    # Only the direct call may have done something that a new run would repeat.
+    assert [call.call_id for call in in_doubt_calls(read_journal(journal))] == [
+        "applied",
+        "direct",
+    ]
+    listed = cli("journal", "in-doubt", str(journal), cwd=tmp_path)
+    assert "kept-aside" not in listed.stdout
+    assert "direct" in listed.stdout
+    # The counter holds the direct call's line only: the transactional one's never landed.
+    assert (workspace / "counter").read_text() == "x\n"
+    async with Pool(workspace, journal=journal, config=_config(tmp_path)) as pool:
+        assert pool.journal is not None
+    assert sorted(os.listdir(workspace / "many"), key=int) == [str(i) for i in range(1, 1501)]
+    assert (workspace / "many" / "1500").read_text() == "1500\n"
+    outcome = next(
+        r
+        for r in journal_records(str(journal))
+        if r["kind"] == "outcome" and r["call_id"] == "applied"
+    )
+    assert outcome["reason"] == APPLIED_ON_REOPEN
+    assert len(outcome["changes"]) == 1501
+    assert all(change["applied"] for change in outcome["changes"])
+    assert [call.call_id for call in in_doubt_calls(read_journal(journal))] == ["direct"]
