@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from conftest import marked_config
-from helpers import journal_records
+from helpers import journal_records, marked_pool_toml
 from test_cli import cli, one_line
 
 from sandbx_pool import Config, ConfigError, Pool, Status, UndoConflict
@@ -369,3 +369,49 @@ async def test_an_apply_cut_by_a_crash_is_finished_on_reopen_and_resume_has_no_d
     assert len(outcome["changes"]) == 1501
     assert all(change["applied"] for change in outcome["changes"])
     assert [call.call_id for call in in_doubt_calls(read_journal(journal))] == ["direct"]
+
+
+def test_a_batch_resumes_a_transactional_call_without_rerun_started(
+    workspace: Path, tmp_path: Path
+) -> None:
+    journal = tmp_path / "run.jsonl"
+    calls = tmp_path / "calls.jsonl"
+    command = "echo x >> counter; [ -e go ] || sleep 100"
+    calls.write_text(
+        json.dumps({"tool": "bash", "args": {"command": command}, "id": "t"})
+        + "\n"
+        + json.dumps(
+            {"tool": "write", "args": {"path": "d", "content": "d"}, "id": "d", "changes": "direct"}
+        )
+        + "\n"
+    )
+    base = ["run", str(calls), "--workspace", str(workspace), "--journal", str(journal)]
+    base += ["--config", marked_pool_toml(tmp_path), "--changes", "transactional"]
+    proc = subprocess.Popen([sys.executable, "-m", "sandbx_pool.cli", *base], cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    try:
+        while not journal.exists() or not any(
+            r["kind"] == "started" and r["call_id"] == "t" for r in journal_records(str(journal))
+        ):
+            assert proc.poll() is None, "the run ended by itself"
+            assert time.monotonic() < deadline, "call t never started"
+            time.sleep(0.005)  # polling a file another process writes
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    intent = next(r for r in journal_records(str(journal)) if r["kind"] == "intent")
+    assert intent["changes"] == "transactional"
+    assert not (workspace / "counter").exists()
+    (workspace / "go").write_text("")
+    resumed = cli(*base, "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert (workspace / "counter").read_text() == "x\n"  # run once, at the resume
+    assert in_doubt_calls(read_journal(journal)) == []
+
+
+def test_a_batch_line_with_an_unknown_mode_is_refused(workspace: Path, tmp_path: Path) -> None:
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(json.dumps({"tool": "read", "args": {"path": "x"}, "changes": "undo"}))
+    refused = cli("run", str(calls), "--workspace", str(workspace), cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "'direct', 'tracked', 'transactional'" in refused.stderr
