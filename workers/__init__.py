@@ -20,4 +20,6 @@ COORDINATOR_MAY_IMPORT = frozenset(
     {"protocol", "schemas", "errors", "globs", "procfs", "_libc", "rg_binary"}
 )
 #: What ``sandbx_pool.cli.doctor`` may import besides: the probes of what the kernel gives.
-DOCTOR_MAY_IMPORT = frozenset({"cgroups", "immortal", "landlock", "lockdown", "seccomp", "zmtp"})
+DOCTOR_MAY_IMPORT = frozenset(
+    {"cgroups", "immortal", "landlock", "lockdown", "overlay", "seccomp", "zmtp"}
+)

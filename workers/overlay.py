@@ -52,7 +52,7 @@ def enter(ctx: ExecutionContext) -> None:
             )
     if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
         raise OverlayError(
-            "the call's changes cannot be kept apart: no mount namespace here (run the pool"
+            "the call's changes cannot be kept apart: no mount namespace here (the pool needs"
             ' as root, or use changes = "direct")'
         )
     try:

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from sandbx_pool.interpreter import CHILD_CWD, PACKAGE_PARENT, python_command
-from sandbx_pool.workers import _libc, cgroups, immortal, landlock, lockdown, seccomp
+from sandbx_pool.workers import _libc, cgroups, immortal, landlock, lockdown, overlay, seccomp
 from sandbx_pool.workers.rg_binary import find_rg, symlinks_refused
 
 
@@ -109,8 +109,32 @@ def _mount_probes() -> dict[str, bool]:
         found["symlinks_refused"] = False
     with contextlib.suppress(OSError):
         _libc.umount(scratch, _libc.MNT_DETACH)
+    found["overlay"] = _overlay_probe(scratch)
     os.rmdir(scratch)
     return found
+
+
+def _overlay_probe(scratch: str) -> bool:
+    """Whether a tracked or transactional call's overlay mounts here, with its options
+    (workers.overlay), on a temporary directory's filesystem."""
+    layers = [os.path.join(scratch, name) for name in ("lower", "upper", "work")]
+    for layer in layers:
+        os.mkdir(layer)
+    lower, upper, work = layers
+    options = f"lowerdir={lower},upperdir={upper},workdir={work},{overlay.OPTIONS}"
+    try:
+        _libc.mount("sandbx-changes", lower, "overlay", 0, options)
+        mounted = True
+    except OSError:
+        mounted = False
+    with contextlib.suppress(OSError):
+        _libc.umount(lower, _libc.MNT_DETACH)
+    for layer in reversed(layers):
+        with contextlib.suppress(OSError):
+            for name in os.listdir(layer):  # the work dir's own "work"
+                os.rmdir(os.path.join(layer, name))
+            os.rmdir(layer)
+    return mounted
 
 
 def _run_child_probes() -> dict[str, Any]:
@@ -292,6 +316,14 @@ def diagnose() -> list[Check]:
             "a private /proc per call (no coordinator environ) and the socket dir hidden",
             "calls see every process in /proc, and can reach the coordinator's socket (which "
             "drops what is not from the worker it chose)",
+        ),
+        Check(
+            "overlayfs (tracked, transactional changes)",
+            bool(child.get("overlay")),
+            "a tracked or transactional call runs on an overlay of the workspace: its change"
+            " set is exact, a transactional one lands only if it ends ok",
+            "changes = \"tracked\" and \"transactional\" are refused (each such call ends as"
+            " error, never run direct); direct mode works",
         ),
         Check(
             "network namespaces",
