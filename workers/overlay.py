@@ -53,7 +53,7 @@ def enter(ctx: ExecutionContext) -> None:
     if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
         raise OverlayError(
             "the call's changes cannot be kept apart: no mount namespace here (the pool needs"
-            ' as root, or use changes = "direct")'
+            ' root with CAP_SYS_ADMIN; or use changes = "direct")'
         )
     try:
         _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
