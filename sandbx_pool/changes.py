@@ -36,15 +36,13 @@ import msgspec
 
 from sandbx_pool.config import ChangeMode, change_mode
 from sandbx_pool.errors import UndoConflict
+from sandbx_pool.journal.prune import CHANGES_SUFFIX
 from sandbx_pool.journal.reader import read_journal
 from sandbx_pool.journal.records import ApplyingRecord, OutcomeRecord, UndoneRecord
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
-
-#: The directory beside a journal that holds its calls' change sets and pre-images.
-CHANGES_SUFFIX = ".d"
 
 #: The ``reason`` of an outcome written on reopen for a call whose apply a coordinator began
 #: and did not finish.

@@ -22,6 +22,7 @@ from test_cli import cli, one_line
 from sandbx_pool import Config, ConfigError, Pool, Status, UndoConflict
 from sandbx_pool.changes import APPLIED_ON_REOPEN
 from sandbx_pool.config import load_config
+from sandbx_pool.journal.prune import prune_default_journals
 from sandbx_pool.journal.reader import in_doubt_calls, read_journal
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="an overlay needs a root pool")
@@ -415,3 +416,15 @@ def test_a_batch_line_with_an_unknown_mode_is_refused(workspace: Path, tmp_path:
     refused = cli("run", str(calls), "--workspace", str(workspace), cwd=tmp_path)
     assert refused.returncode == 2
     assert "'direct', 'tracked', 'transactional'" in refused.stderr
+
+
+async def test_a_pruned_default_journal_takes_its_change_sets_with_it(tmp_path: Path) -> None:
+    journals = tmp_path / "journals"
+    journals.mkdir()
+    old = journals / "old.jsonl"
+    old.write_text("")
+    (journals / "old.jsonl.d" / "changes" / "c1" / "upper").mkdir(parents=True)
+    os.mknod(journals / "old.jsonl.d" / "changes" / "c1" / "upper" / "w", stat.S_IFCHR, 0)
+    os.utime(old, (0, 0))
+    assert prune_default_journals(str(journals), keep_days=1, keep_count=10) == [str(old)]
+    assert os.listdir(journals) == []
