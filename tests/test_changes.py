@@ -49,7 +49,7 @@ async def test_tracked_bash_lists_exactly_what_it_changed(workspace: Path, tmp_p
     journal = tmp_path / "j.jsonl"
     command = (
         "echo a > a; echo more >> b; rm c; touch t; rm t; chmod 600 m; touch same;"
-        " rm -r gone; mkdir -p new/dir; ln -s a link"
+        " rm -r gone; mkdir -p new/dir; ln -s a link; mkfifo fifo"
     )
     async with Pool(
         workspace, journal=journal, config=_config(tmp_path), changes="tracked"
@@ -57,7 +57,17 @@ async def test_tracked_bash_lists_exactly_what_it_changed(workspace: Path, tmp_p
         outcome = await pool.call("bash", {"command": command})
     assert outcome.status is Status.OK, outcome.error
     changes = _by_path(outcome.changes)
-    assert set(changes) == {"a", "b", "c", "m", "gone", "gone/x", "new", "new/dir", "link"}
+    assert set(changes) == {"a", "b", "c", "m", "gone", "gone/x", "new", "new/dir", "link", "fifo"}
+    # A FIFO is listed, never made in the workspace.
+    fifo = changes.pop("fifo")
+    assert fifo == {
+        "path": "fifo",
+        "kind": "created",
+        "type": "other",
+        "size": 0,
+        "applied": False,
+    }
+    assert not (workspace / "fifo").exists()
     assert changes["a"] == {
         "path": "a",
         "kind": "created",
@@ -89,7 +99,7 @@ async def test_tracked_bash_lists_exactly_what_it_changed(workspace: Path, tmp_p
     assert os.readlink(workspace / "link") == "a"
     assert (workspace / "new" / "dir").is_dir()
     outcome_record = next(r for r in journal_records(str(journal)) if r["kind"] == "outcome")
-    assert _by_path(outcome_record["changes"]) == changes
+    assert _by_path(outcome_record["changes"]) == {**changes, "fifo": fifo}
 
 
 async def test_tracked_file_tools_and_read_only_tools(workspace: Path, tmp_path: Path) -> None:

@@ -30,7 +30,6 @@ reopen (sandbx_pool.changes), which finishes it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import os
 import stat
@@ -360,8 +359,7 @@ def set_to(images: Images, which: Literal["pre", "post"], workspace: str, source
             _put_symlink(target, image.target)
         elif image.type == "file":
             _put_file(target, source(path, image), image.mode or 0o644)
-        else:
-            raise OSError(errno.EOPNOTSUPP, f"cannot set {path}: a {image.type} is not restored")
+        # A FIFO, socket or device ("other") is listed, never made: not applied, not restored.
     for directory in {os.path.dirname(os.path.join(workspace, p)) for p in selected.paths}:
         with contextlib.suppress(OSError):
             _fsync_dir(directory)

@@ -19,7 +19,12 @@ from sandbx_pool.workers.schemas import ApplyChangesArgs, UndoChangesArgs
 def _listed(items: list[changes.Change], applied: bool) -> list[dict[str, Any]]:
     # A name that is not UTF-8 is shown escaped: the Result and the journal carry text only.
     return [
-        {**msgspec.to_builtins(item), "path": _shown(item.path), "applied": applied}
+        {
+            **msgspec.to_builtins(item),
+            "path": _shown(item.path),
+            # A FIFO, socket or device is never made in the workspace (workers.changes).
+            "applied": applied and (item.type != "other" or item.kind == "deleted"),
+        }
         for item in items
     ]
 
