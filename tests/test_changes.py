@@ -341,7 +341,9 @@ def _kill_once_journaled(workspace: Path, journal: Path, wanted: set[str]) -> No
                 if journal.exists()
                 else set()
             )
-            if wanted <= seen:
+            # and the direct call's line is in the counter: "started" is journaled just after
+            # its Call is sent, maybe before its command ran
+            if wanted <= seen and (workspace / "counter").exists():
                 break
             time.sleep(0.005)  # polling a file another process writes
     finally:
