@@ -110,6 +110,12 @@ class ChangeSets:
 
     # The journal's own directory, on the coordinator's side: never the workspace's filesystem.
 
+    def _nothing_changed(self, call_id: str) -> bool:
+        try:
+            return not os.listdir(os.path.join(self.call_dir(call_id), "upper"))
+        except OSError:
+            return False  # the apply worker will say what is wrong
+
     def _kept(self, call_id: str) -> bool:
         return os.path.isdir(self.call_dir(call_id))
 
@@ -146,6 +152,10 @@ class ChangeSets:
     ) -> Outcome:
         """Scan the call's change set and apply it or not (see above): ``outcome`` with
         ``changes``, or turned into a conflict or a failure to apply."""
+        if self._nothing_changed(call_id):
+            # The upper directory is the whole change set: empty, there is nothing to scan or
+            # apply, and no second worker is taken (a `true`, a failed command).
+            return msgspec.structs.replace(outcome, changes=[])
         apply = mode is ChangeMode.TRACKED or outcome.status is Status.OK
         async with self.lock:
             taken = self.taken_since(started_at) if mode is ChangeMode.TRANSACTIONAL else {}
