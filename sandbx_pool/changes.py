@@ -156,7 +156,10 @@ class ChangeSets:
             # The upper directory is the whole change set: empty, there is nothing to scan or
             # apply, and no second worker is taken (a `true`, a failed command).
             return msgspec.structs.replace(outcome, changes=[])
-        apply = mode is ChangeMode.TRACKED or outcome.status is Status.OK
+        # A quarantined worker may still be writing to its upper directory (a process stuck
+        # in the kernel, released later): what it holds now is not what the call did.
+        tracked = mode is ChangeMode.TRACKED and not outcome.quarantined
+        apply = tracked or outcome.status is Status.OK
         async with self.lock:
             taken = self.taken_since(started_at) if mode is ChangeMode.TRANSACTIONAL else {}
             if apply and journal is not None:
