@@ -43,6 +43,7 @@ from sandbx_pool.journal.store import Journal
 from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
+from sandbx_pool.workers.protocol import CHANGES_LISTED
 
 #: The ``reason`` of an outcome written on reopen for a call whose apply a coordinator began
 #: and did not finish.
@@ -110,6 +111,9 @@ class ChangeSets:
 
     # The journal's own directory, on the coordinator's side: never the workspace's filesystem.
 
+    def _listed_instead(self, call_id: str) -> bool:
+        return os.path.exists(os.path.join(self.call_dir(call_id), CHANGES_LISTED))
+
     def _nothing_changed(self, call_id: str) -> bool:
         try:
             return not os.listdir(os.path.join(self.call_dir(call_id), "upper"))
@@ -152,6 +156,10 @@ class ChangeSets:
     ) -> Outcome:
         """Scan the call's change set and apply it or not (see above): ``outcome`` with
         ``changes``, or turned into a conflict or a failure to apply."""
+        if self._listed_instead(call_id):
+            # No overlay here: the worker listed the workspace before and after, and its Result
+            # holds the changes, made in place (None: it was killed before it could say).
+            return outcome
         if self._nothing_changed(call_id):
             # The upper directory is the whole change set: empty, there is nothing to scan or
             # apply, and no second worker is taken (a `true`, a failed command).
@@ -211,6 +219,11 @@ class ChangeSets:
         async with self.lock:
             await journal.flush()
             scan = read_journal(journal.path)
+            if self._listed_instead(call_id):
+                raise ValueError(
+                    f"cannot undo {call_id}: it was tracked by listing the workspace (no"
+                    " overlay here), which keeps no pre-images"
+                )
             position, workspace = _applied_call(scan.records, call_id, journal.path)
             args = {"images": self._pre_images(call_id), "objects": self.objects}
             done = await run(f"{call_id}-undo", "_undo_changes", args, workspace)

@@ -476,7 +476,11 @@ class Pool:
         """Give the call its overlay's directory; the Call encoded again with it."""
         call.changes_dir = store.make_call_dir(call.call_id)
         assert call.context is not None
-        call.context = msgspec.structs.replace(call.context, changes_dir=call.changes_dir)
+        call.context = msgspec.structs.replace(
+            call.context,
+            changes_dir=call.changes_dir,
+            changes_scan=call.changes is ChangeMode.TRACKED,
+        )
         return encode_call(call)
 
     async def _settle_changes(self, call: CallState, outcome: Outcome) -> Outcome:

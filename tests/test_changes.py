@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -440,3 +441,73 @@ async def test_a_pruned_default_journal_takes_its_change_sets_with_it(tmp_path: 
     os.utime(old, (0, 0))
     assert prune_default_journals(str(journals), keep_days=1, keep_count=10) == [str(old)]
     assert os.listdir(journals) == []
+
+
+_WITHOUT_OVERLAY = """
+import asyncio, json, sys
+from sandbx_pool import Pool
+
+async def main(workspace, journal):
+    async with Pool(workspace, journal=journal, workers=1) as pool:
+        out = {}
+        command = "echo a > a; echo more >> b; rm c; touch t; rm t; chmod 600 m"
+        for mode in ("tracked", "transactional"):
+            outcome = await pool.call("bash", {"command": command}, changes=mode)
+            out[mode] = {"status": outcome.status, "error": outcome.error,
+                         "changes": outcome.changes, "call_id": outcome.call_id}
+        try:
+            await pool.undo(out["tracked"]["call_id"])
+        except ValueError as exc:
+            out["undo"] = str(exc)
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+#: Root without CAP_SYS_ADMIN, as in a Docker container: no mount namespace, no overlay.
+_CONTAINER_ROOT = [
+    "setpriv",
+    "--bounding-set=-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+setpcap,"
+    "+net_bind_service,+net_raw,+sys_chroot,+mknod,+audit_write,+setfcap",
+    "--inh-caps=-all",
+]
+
+
+def test_without_an_overlay_tracked_lists_and_transactional_is_refused(
+    workspace: Path, tmp_path: Path
+) -> None:
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux)")
+    for name in "bcm":
+        (workspace / name).write_text(f"{name}\n")
+    done = subprocess.run(
+        [
+            *_CONTAINER_ROOT,
+            sys.executable,
+            "-c",
+            _WITHOUT_OVERLAY,
+            str(workspace),
+            str(tmp_path / "j.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    tracked = out["tracked"]
+    assert tracked["status"] == "ok"
+    assert {c["path"]: (c["kind"], c["applied"]) for c in tracked["changes"]} == {
+        "a": ("created", True),
+        "b": ("modified", True),
+        "c": ("deleted", True),
+        "m": ("modified", True),
+    }
+    assert (workspace / "b").read_text() == "b\nmore\n"
+    refused = out["transactional"]
+    assert refused["status"] == "error"
+    assert "cannot be kept apart" in refused["error"]
+    assert refused["changes"] == []  # it never ran
+    assert "keeps no pre-images" in out["undo"]

@@ -198,6 +198,80 @@ def scan(upper: str, workspace: str) -> list[Change]:
     return changes
 
 
+def listed(items: list[Change], applied: bool) -> list[dict[str, Any]]:
+    """The change list as an outcome carries it. A name that is not UTF-8 is shown escaped
+    (the Result and the journal carry text only); a FIFO, socket or device is never made in
+    the workspace (set_to), so it is never applied."""
+    return [
+        {
+            **msgspec.to_builtins(item),
+            "path": item.path.encode("utf-8", "surrogateescape").decode(
+                "utf-8", "backslashreplace"
+            ),
+            "applied": applied and (item.type != "other" or item.kind == "deleted"),
+        }
+        for item in items
+    ]
+
+
+# -- without an overlay: a listing before and after ------------------------------------------------
+
+#: What a path is in a listing: type, mode, size, mtime and ctime (ns), inode, symlink target.
+Entry = tuple[EntryType, int, int, int, int, int, str | None]
+
+
+def listing(workspace: str) -> dict[str, Entry]:
+    """Every path under ``workspace`` with what says it changed (tracked mode's fallback where
+    no overlay can be mounted): one lstat a path, no content read. Directories it cannot read
+    are left out, the same before and after."""
+    found: dict[str, Entry] = {}
+
+    def walk(directory: str, rel: str) -> None:
+        try:
+            with os.scandir(directory) as entries:
+                items = [(entry.name, entry.path) for entry in entries]
+        except OSError:
+            return
+        for name, path in items:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            kind = _type_of(st)
+            target = os.readlink(path) if kind == "symlink" else None
+            key = f"{rel}/{name}" if rel else name
+            mode = stat.S_IMODE(st.st_mode)
+            size = st.st_size if kind != "dir" else 0
+            found[key] = (kind, mode, size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, target)
+            if kind == "dir":
+                walk(path, key)
+
+    walk(workspace, "")
+    return found
+
+
+def compare(before: dict[str, Entry], after: dict[str, Entry]) -> list[Change]:
+    """What changed between two listings, sorted by path. A directory whose own type and mode
+    are the same is not listed (its entries changing moves its times)."""
+    changes: list[Change] = []
+    for path, entry in after.items():
+        kind = entry[0]
+        size = None if kind == "dir" else entry[2]
+        old = before.get(path)
+        if old is None:
+            changes.append(Change(path, "created", kind, size))
+        elif kind == "dir" and old[0] == "dir":
+            if old[1] != entry[1]:
+                changes.append(Change(path, "modified", "dir", None))
+        elif old != entry:
+            changes.append(Change(path, "modified", kind, size))
+    for path, entry in before.items():
+        if path not in after:
+            changes.append(Change(path, "deleted", entry[0], None))
+    changes.sort(key=lambda change: change.path)
+    return changes
+
+
 # -- images --------------------------------------------------------------------------------------
 
 

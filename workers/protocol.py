@@ -93,6 +93,14 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: ``upper`` and ``work``; the worker mounts an overlay on the workspace with them
     #: (workers.overlay), so the call changes only ``upper``. None: the workspace itself.
     changes_dir: str | None = None
+    #: Tracked mode: where no overlay can be mounted, list the workspace before and after the
+    #: tool instead (workers.changes.listing) and answer with the difference.
+    changes_scan: bool = False
+
+
+#: The file a tracked call's worker makes in its ``changes_dir`` when it lists the workspace
+#: instead of mounting an overlay (ExecutionContext.changes_scan).
+CHANGES_LISTED = "listed"
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
@@ -134,6 +142,9 @@ class Result(Message, tag="result"):
     #: The worker answered after the coordinator's SIGTERM: ``value`` holds what the command
     #: printed until it was stopped, and the coordinator's kill decides the status.
     stopped: bool = False
+    #: Tracked mode without an overlay (ExecutionContext.changes_scan): what the listings
+    #: before and after the tool differ by, applied already.
+    changes: list[dict[str, Any]] | None = None
 
 
 class Output(Message, tag="output"):

@@ -98,7 +98,7 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     run.add_argument(
         "--changes",
         choices=[str(mode) for mode in ChangeMode],
-        help="what calls may do to the workspace (a line's own \"changes\" wins): see"
+        help='what calls may do to the workspace (a line\'s own "changes" wins): see'
         " [workspace] changes",
     )
     run.set_defaults(func=_cmd_run)

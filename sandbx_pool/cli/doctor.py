@@ -322,7 +322,7 @@ def diagnose() -> list[Check]:
             bool(child.get("overlay")),
             "a tracked or transactional call runs on an overlay of the workspace: its change"
             " set is exact, a transactional one lands only if it ends ok",
-            "changes = \"tracked\" and \"transactional\" are refused (each such call ends as"
+            'changes = "tracked" and "transactional" are refused (each such call ends as'
             " error, never run direct); direct mode works",
         ),
         Check(

@@ -9,28 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import msgspec
-
 from sandbx_pool.workers import changes
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import ApplyChangesArgs, UndoChangesArgs
-
-
-def _listed(items: list[changes.Change], applied: bool) -> list[dict[str, Any]]:
-    # A name that is not UTF-8 is shown escaped: the Result and the journal carry text only.
-    return [
-        {
-            **msgspec.to_builtins(item),
-            "path": _shown(item.path),
-            # A FIFO, socket or device is never made in the workspace (workers.changes).
-            "applied": applied and (item.type != "other" or item.kind == "deleted"),
-        }
-        for item in items
-    ]
-
-
-def _shown(path: str) -> str:
-    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def apply_changes(args: ApplyChangesArgs, ctx: ExecutionContext) -> dict[str, Any]:
@@ -45,16 +26,16 @@ def apply_changes(args: ApplyChangesArgs, ctx: ExecutionContext) -> dict[str, An
     else:
         found = changes.scan(args.upper, workspace)
     if not args.apply:
-        return {"changes": _listed(found, False), "applied": False}
+        return {"changes": changes.listed(found, False), "applied": False}
     for item in found:
         if item.path in args.taken:
             conflict = {"path": item.path, "call_id": args.taken[item.path]}
-            return {"changes": _listed(found, False), "applied": False, "conflict": conflict}
+            return {"changes": changes.listed(found, False), "applied": False, "conflict": conflict}
     if not kept:
         images = changes.take_images(args.call_id, found, args.upper, workspace, args.objects)
         changes.write_images(images, args.images)
     changes.set_to(images, "post", workspace, lambda path, _: os.path.join(args.upper, path))
-    return {"changes": _listed(found, True), "applied": True}
+    return {"changes": changes.listed(found, True), "applied": True}
 
 
 def undo_changes(args: UndoChangesArgs, ctx: ExecutionContext) -> dict[str, Any]:
