@@ -511,3 +511,24 @@ def test_without_an_overlay_tracked_lists_and_transactional_is_refused(
     assert "cannot be kept apart" in refused["error"]
     assert refused["changes"] == []  # it never ran
     assert "keeps no pre-images" in out["undo"]
+
+
+async def test_a_transactional_call_over_its_output_limit_changes_nothing(
+    workspace: Path, tmp_path: Path
+) -> None:
+    config = _config(tmp_path).override(
+        calls={"max_output_bytes": 64 * 1024, "keep_output_bytes": 4096}
+    )
+    async with Pool(
+        workspace, journal=tmp_path / "j.jsonl", config=config, changes="transactional"
+    ) as pool:
+        outcome = await pool.call(
+            "bash", {"command": "echo x > flood.txt; rm hello.txt; yes | head -c 10000000"}
+        )
+    assert outcome.status is Status.OUTPUT_LIMIT
+    assert {c["path"]: c["applied"] for c in outcome.changes or []} == {
+        "flood.txt": False,
+        "hello.txt": False,
+    }
+    assert not (workspace / "flood.txt").exists()
+    assert (workspace / "hello.txt").read_text() == "hello\nworld\n"
