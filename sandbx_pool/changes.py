@@ -57,6 +57,13 @@ def store_dir(journal_path: str) -> str:
     return journal_path + CHANGES_SUFFIX
 
 
+def refuse_without_store(journal_path: str, call_id: str) -> None:
+    """An undo where the journal's J.d is missing: the ValueError that says why (the call is
+    unknown, direct, never applied, or J.d is gone), without making J.d."""
+    applied_call(read_journal(journal_path).records, call_id, journal_path)
+    raise ValueError(f"cannot undo {call_id}: {store_dir(journal_path)} is missing")
+
+
 def safe_name(call_id: str) -> str:
     """A call id as one path component (ids are the caller's: they may hold a slash)."""
     cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in call_id)
@@ -224,7 +231,7 @@ class ChangeSets:
                     f"cannot undo {call_id}: it was tracked by listing the workspace (no"
                     " overlay here), which keeps no pre-images"
                 )
-            position, workspace = _applied_call(scan.records, call_id, journal.path)
+            position, workspace = applied_call(scan.records, call_id, journal.path)
             args = {"images": self._pre_images(call_id), "objects": self.objects}
             done = await run(f"{call_id}-undo", "_undo_changes", args, workspace)
             value = done.value
@@ -248,7 +255,7 @@ class ChangeSets:
             return paths
 
 
-def _applied_call(records: list[Any], call_id: str, journal_path: str) -> tuple[int, str]:
+def applied_call(records: list[Any], call_id: str, journal_path: str) -> tuple[int, str]:
     """Where the call's latest applied outcome is in ``records``, and its workspace."""
     found: tuple[int, OutcomeRecord] | None = None
     workspace: str | None = None
@@ -306,7 +313,9 @@ __all__ = [
     "CHANGES_SUFFIX",
     "ChangeMode",
     "ChangeSets",
+    "applied_call",
     "change_mode",
+    "refuse_without_store",
     "store_dir",
     "with_changes",
 ]

@@ -56,7 +56,7 @@ from sandbx_pool import descriptors, preflight
 from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
-from sandbx_pool.changes import ChangeSets, store_dir
+from sandbx_pool.changes import ChangeSets, refuse_without_store, store_dir
 from sandbx_pool.config import ChangeMode, Config, JournalPolicy, change_mode, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
 from sandbx_pool.execution import Unsendable, encode_call, execute
@@ -472,6 +472,10 @@ class Pool:
             self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
         return self._change_sets
 
+    def _store_exists(self) -> bool:
+        # The journal's own directory (J.d), never the workspace.
+        return self.journal is not None and os.path.isdir(store_dir(self.journal.path))
+
     def _keep_changes_apart(self, call: CallState, store: ChangeSets) -> bytes:
         """Give the call its overlay's directory; the Call encoded again with it."""
         call.changes_dir = store.make_call_dir(call.call_id)
@@ -509,6 +513,9 @@ class Pool:
             raise PoolClosed("the pool is not open")
         if self.journal is None:
             raise ValueError("undo needs the pool's journal: this pool has none")
+        if self._change_sets is None and not self._store_exists():
+            await self.journal.flush()
+            refuse_without_store(self.journal.path, call_id)
         return await self._changes_store().undo(
             call_id, self.journal, self._internal, oldest_running=self._oldest_running()
         )

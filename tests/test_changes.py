@@ -263,6 +263,14 @@ async def test_undo_refuses_a_path_a_later_call_changed(workspace: Path, tmp_pat
         with pytest.raises(ValueError, match="pre-images are missing"):
             await pool.undo(later.call_id)
     assert (workspace / "f").read_text() == "2\n"
+    # The whole J.d gone: refused, naming it, and not made again.
+    shutil.rmtree(tmp_path / "j.jsonl.d")
+    async with Pool(workspace, journal=journal, config=_config(tmp_path)) as pool:
+        with pytest.raises(ValueError, match=r"j\.jsonl\.d is missing"):
+            await pool.undo(first.call_id)
+        with pytest.raises(ValueError, match="direct mode"):
+            await pool.undo(direct.call_id)
+    assert not (tmp_path / "j.jsonl.d").exists()
 
 
 def test_the_undo_command(workspace: Path, tmp_path: Path) -> None:
@@ -278,7 +286,9 @@ def test_the_undo_command(workspace: Path, tmp_path: Path) -> None:
 
     first, second = asyncio.run(calls())
     base = ["undo", "--journal", str(journal), "--workspace", str(workspace)]
-    assert cli(*base, "nope", cwd=tmp_path).returncode == 2
+    unknown = cli(*base, "nope", cwd=tmp_path)
+    assert unknown.returncode == 2
+    assert "no call 'nope'" in one_line(unknown)
     direct_journal = tmp_path / "direct.jsonl"
     done = cli(*base, first, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
