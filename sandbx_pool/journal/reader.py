@@ -299,12 +299,16 @@ def interrupted(scan: JournalScan, *, include_reported: bool = True) -> list[Int
 
 def unfinished_applies(scan: JournalScan) -> list[ApplyingRecord]:
     """Change sets whose apply began (an ``applying`` record) and whose call has no later
-    outcome: a coordinator died while it applied them (sandbx_pool.changes)."""
+    outcome but a shutdown's without ``changes``: a coordinator died while it applied them, or
+    close() gave up on the call mid-apply. The next coordinator finishes them
+    (sandbx_pool.changes). An apply that failed has an outcome saying so, and is not retried."""
     pending: dict[str, ApplyingRecord] = {}
     for record in scan.records:
         if isinstance(record, ApplyingRecord):
             pending[record.call_id] = record
-        elif isinstance(record, OutcomeRecord):
+        elif isinstance(record, OutcomeRecord) and not (
+            record.changes is None and is_shutdown_cancel(record.status, record.killed_by)
+        ):
             pending.pop(record.call_id, None)
     return list(pending.values())
 
