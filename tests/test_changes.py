@@ -20,7 +20,7 @@ from conftest import marked_config
 from helpers import journal_records, marked_pool_toml
 from test_cli import cli, one_line
 
-from sandbx_pool import Config, ConfigError, Pool, Status, UndoConflict
+from sandbx_pool import Config, ConfigError, KilledBy, Pool, Status, UndoConflict
 from sandbx_pool.changes import APPLIED_ON_REOPEN
 from sandbx_pool.config import load_config
 from sandbx_pool.journal.prune import prune_default_journals
@@ -542,3 +542,44 @@ async def test_a_transactional_call_over_its_output_limit_changes_nothing(
     }
     assert not (workspace / "flood.txt").exists()
     assert (workspace / "hello.txt").read_text() == "hello\nworld\n"
+
+
+async def test_a_transactional_call_a_shutdown_stopped_is_not_in_doubt(
+    workspace: Path, tmp_path: Path
+) -> None:
+    journal = tmp_path / "j.jsonl"
+    config = _config(tmp_path).override(pool={"close_timeout_s": 10.0})
+    fifo = tmp_path / "sync" / "ran"
+    os.mkfifo(fifo)
+    pool = Pool(workspace, journal=journal, config=config)
+    await pool.start()
+    try:
+        calls = [
+            asyncio.create_task(
+                pool.call(
+                    "bash",
+                    {"command": f"echo x >> counter; echo > {fifo}; sleep 100"},
+                    changes=mode,
+                    call_id=mode,
+                )
+            )
+            for mode in ("transactional", "direct")
+        ]
+        for _ in calls:  # both commands ran their first line
+            fd = await _wait_for_fifo_reader_opened(fifo)
+            os.close(fd)
+    finally:
+        await pool.close()
+    outcomes = await asyncio.gather(*calls)
+    assert {o.call_id: o.killed_by for o in outcomes} == {
+        "transactional": KilledBy.SHUTDOWN,
+        "direct": KilledBy.SHUTDOWN,
+    }
+    assert (workspace / "counter").read_text() == "x\n"  # the direct call's line only
+    assert [call.call_id for call in in_doubt_calls(read_journal(journal))] == ["direct"]
+
+
+async def _wait_for_fifo_reader_opened(fifo: Path) -> int:
+    """Open ``fifo`` for reading once a command opened it for writing (a blocking open in a
+    thread: the command's ``echo`` waits for us as we wait for it)."""
+    return await asyncio.to_thread(os.open, fifo, os.O_RDONLY)
