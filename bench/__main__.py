@@ -21,6 +21,7 @@ SECTIONS = (
     "search",
     "cluster",
     "oneshot",
+    "changes",
 )
 
 
@@ -34,6 +35,7 @@ class Counts:
     streaming_calls: int = 400
     cluster_calls: int = 800
     oneshot_runs: int = 20
+    changes_calls: int = 300
 
 
 QUICK = Counts(
@@ -45,6 +47,7 @@ QUICK = Counts(
     streaming_calls=60,
     cluster_calls=80,
     oneshot_runs=6,
+    changes_calls=60,
 )
 
 
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench import (
         cancel,
+        changes,
         cluster,
         hung,
         latency,
@@ -137,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.cluster = cluster.run(ws, calls=counts.cluster_calls)
                 elif section == "oneshot":
                     result.oneshot = oneshot.run(ws, runs=counts.oneshot_runs)
+                elif section == "changes":
+                    result.changes = changes.run(ws, calls=counts.changes_calls)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

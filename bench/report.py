@@ -18,6 +18,8 @@ from pathlib import Path
 
 from bench import cancel, hung, latency, search, throughput
 from bench.cancel import CancelResult
+from bench.changes import BIG_MIB, FILES, ChangesResult
+from bench.changes import MODES as CHANGE_MODES
 from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.hung import HungResult
 from bench.latency import LatencyResult
@@ -47,6 +49,7 @@ class Report:
     search: SearchResult | None = None
     cluster: ClusterResult | None = None
     oneshot: OneShotResult | None = None
+    changes: ChangesResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -553,6 +556,45 @@ def _oneshot(result: OneShotResult) -> str:
     )
 
 
+def _changes(result: ChangesResult) -> str:
+    rows = [
+        (
+            f"bash `true`, {mode}",
+            str(result.true_by_mode[mode].count),
+            ms(result.true_by_mode[mode].percentile_ms(50)),
+            ms(result.true_by_mode[mode].percentile_ms(95)),
+            "" if mode == "direct" else f"{result.extra_ms(mode):+.2f} ms",
+        )
+        for mode in CHANGE_MODES
+    ]
+    rows += [
+        (f"bash making {FILES:,} files, direct", "1", ms(result.many_direct_ms), "", ""),
+        (
+            f"bash making {FILES:,} files, tracked (scan + apply)",
+            "1",
+            ms(result.many_tracked_ms),
+            "",
+            f"{result.many_tracked_ms - result.many_direct_ms:+.0f} ms",
+        ),
+        (f"undo of those {FILES:,} files", "1", ms(result.undo_ms), "", ""),
+        (f"one byte of a {BIG_MIB} MiB file, direct", "1", ms(result.big_direct_ms), "", ""),
+        (
+            f"one byte of a {BIG_MIB} MiB file, tracked (copy-up, pre-image, apply)",
+            "1",
+            ms(result.big_tracked_ms),
+            "",
+            f"{result.big_tracked_ms - result.big_direct_ms:+.0f} ms",
+        ),
+    ]
+    return (
+        "## Changes: what tracking a call's changes costs\n\n"
+        + table(("row", "calls", "p50", "p95", "over direct"), rows, "lrrrr")
+        + "\n\nTracked and transactional calls run on an overlay of the workspace and a"
+        " second worker scans and applies its upper directory (docs/design.md, what a call"
+        " changes); the goal for `true` was at most 1 ms over direct."
+    )
+
+
 def render(report: Report) -> str:
     parts = [_header(report)]
     if report.latency is not None:
@@ -573,6 +615,8 @@ def render(report: Report) -> str:
         parts.append(_cluster(report.cluster))
     if report.oneshot is not None:
         parts.append(_oneshot(report.oneshot))
+    if report.changes is not None:
+        parts.append(_changes(report.changes))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

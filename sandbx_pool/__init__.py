@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         PoolNotStarted,
         SandbxPoolError,
         TemplateLost,
+        UndoConflict,
     )
     from sandbx_pool.outcome import KilledBy, Outcome, Status
     from sandbx_pool.output import OutputChunk
@@ -54,6 +55,7 @@ _HOMES = {
     "PoolNotStarted": "sandbx_pool.errors",
     "SandbxPoolError": "sandbx_pool.errors",
     "TemplateLost": "sandbx_pool.errors",
+    "UndoConflict": "sandbx_pool.errors",
     "KilledBy": "sandbx_pool.outcome",
     "Outcome": "sandbx_pool.outcome",
     "Status": "sandbx_pool.outcome",
@@ -82,6 +84,7 @@ __all__ = [
     "SandbxPoolError",
     "Status",
     "TemplateLost",
+    "UndoConflict",
     "load_config",
     "tool_schemas",
 ]

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sandbx_pool.cancel import CancelToken
+from sandbx_pool.config import ChangeMode
 from sandbx_pool.journal.records import JOURNAL_REFUSED
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.journal.writer import JournalWriteError
@@ -59,6 +60,8 @@ class CallLife:
         self.kill_requested: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.killer: KilledBy | None = None
         self.reason: str | None = None
+        #: The call's change mode (sandbx_pool.changes), journaled with its intent.
+        self.changes = ChangeMode.DIRECT
 
     def request_kill(self, killer: KilledBy, reason: str | None = None) -> None:
         """Ask for the call's kill. The first killer wins and is recorded here, before any
@@ -132,6 +135,7 @@ class CallLife:
                 cwd=self.cwd or ".",
                 timeout_s=self.timeout_s,
                 workspace=self.journaled_workspace(),
+                changes=None if self.changes is ChangeMode.DIRECT else str(self.changes),
             )
         except JournalWriteError as exc:
             # Fail closed: a side effect never starts without its durable intent. A read-only

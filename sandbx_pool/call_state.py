@@ -43,6 +43,9 @@ class CallState(CallLife):
         self.secret = secrets.token_hex(16)
         #: The caller's on_output: the worker streams only when there is one.
         self.on_output: OutputCallback | None = None
+        #: Tracked and transactional calls that change files: their overlay's directory
+        #: (sandbx_pool.changes), made once the call passed its checks.
+        self.changes_dir: str | None = None
 
     def journaled_workspace(self) -> str | None:
         # A view's call: cwd and paths are the view's, the view is where they are.

@@ -6,6 +6,7 @@ naming the key and the file. Command-line flags override the file (``Config.over
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import pwd
@@ -39,8 +40,36 @@ class JournalPolicy(enum.StrEnum):
     OFF = "off"  # write, never fsync (the OS flushes when it likes)
 
 
+class ChangeMode(enum.StrEnum):
+    """What a call may do to the workspace (sandbx_pool.changes)."""
+
+    DIRECT = "direct"  # its writes land as it makes them; nothing is listed
+    TRACKED = "tracked"  # the same, through an overlay: the outcome lists what it changed
+    TRANSACTIONAL = "transactional"  # its changes land only if it ends ok, without conflict
+
+
+def change_mode(value: object) -> ChangeMode:
+    """``value`` as a ChangeMode; a ValueError naming the three otherwise."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return ChangeMode(value)
+    names = ", ".join(repr(str(mode)) for mode in ChangeMode)
+    raise ValueError(f"changes must be one of {names}, not {value!r}")
+
+
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
+
+
+class WorkspaceSettings(_Section):
+    #: direct, tracked or transactional (ChangeMode); a call may choose its own.
+    changes: str = "direct"
+
+    def __post_init__(self) -> None:
+        try:
+            change_mode(self.changes)
+        except ValueError as exc:
+            raise ValueError(f"changes: {str(exc).removeprefix('changes ')}") from None
 
 
 class PoolSettings(_Section):
@@ -226,6 +255,7 @@ class Config(_Section):
     limits: LimitSettings = msgspec.field(default_factory=LimitSettings)
     gate: GateSettings = msgspec.field(default_factory=GateSettings)
     sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)
+    workspace: WorkspaceSettings = msgspec.field(default_factory=WorkspaceSettings)
 
     def workers(self) -> int:
         if self.pool.workers is not None:

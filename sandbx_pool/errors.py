@@ -34,3 +34,13 @@ class JournalLocked(SandbxPoolError):
 
 class JournalError(SandbxPoolError):
     """The journal cannot be opened or written."""
+
+
+class UndoConflict(SandbxPoolError):
+    """``undo`` refused: a path the call changed was changed again since (by a later call,
+    named, or outside the pool). Nothing was changed."""
+
+    def __init__(self, message: str, path: str, later_call: str | None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.later_call = later_call

@@ -138,6 +138,7 @@ async def execute(
             error=result.error,
             error_code=result.error_code,
             limit=result.limit,
+            changes=result.changes,
             **common,
         )
     if call.killer is not None:
@@ -146,6 +147,8 @@ async def execute(
             common.update(quarantined=True, wchan=worker.wchan, stuck_pid=worker.stuck_pid)
         elif stopped.warned:
             common["value"] = await partial_value(call, worker, settings)
+            if call.result.done():  # tracked by listings: what the command changed until then
+                common["changes"] = call.result.result().changes
         return call.outcome(
             STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason, **common
         )

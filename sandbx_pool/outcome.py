@@ -53,7 +53,10 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     ``limit`` names the resource limit that stopped the call, if one did. ``error_code`` is the
     errno name (``"ENOENT"``) behind an ``error`` whose cause was an OS error: match on it, not
     on ``error``'s text, which names the caller's path. ``node`` is the Ray node id the call
-    ran on, when it went through ``integrations.ray`` (None on one machine).
+    ran on, when it went through ``integrations.ray`` (None on one machine). ``changes``
+    (tracked and transactional mode, sandbx_pool.changes): what the call did to the
+    workspace, one dict per path, ``{"path", "kind", "type", "size", "applied"}``; ``[]``
+    for a call that changed nothing; None in direct mode.
     """
 
     call_id: str
@@ -73,6 +76,7 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     stuck_pid: int | None = None
     error_code: str | None = None
     node: str | None = None
+    changes: list[dict[str, Any]] | None = None
 
     @property
     def ok(self) -> bool:

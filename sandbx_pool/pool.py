@@ -58,7 +58,8 @@ from sandbx_pool import descriptors, preflight
 from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
-from sandbx_pool.config import Config, JournalPolicy, load_config
+from sandbx_pool.changes import ChangeSets, refuse_without_store, store_dir
+from sandbx_pool.config import ChangeMode, Config, JournalPolicy, change_mode, load_config
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
@@ -102,6 +103,7 @@ from sandbx_pool.workers.protocol import (
     Spawned,
     SpawnFailed,
 )
+from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
 
 
 class PoolState(enum.IntEnum):
@@ -122,8 +124,13 @@ class Pool:
         journal: str | os.PathLike[str] | None = None,
         config: str | os.PathLike[str] | Config | None = None,
         approve: Approver | None = None,
+        changes: str | None = None,
     ) -> None:
         self.config = config if isinstance(config, Config) else load_config(config)
+        #: What calls may do to the workspace unless they say (sandbx_pool.changes).
+        self.changes = change_mode(
+            changes if changes is not None else self.config.workspace.changes
+        )
         if workers is not None:
             self.config = self.config.override(pool={"workers": workers})
         # abspath is lexical: the coordinator never touches the workspace's filesystem.
@@ -158,6 +165,7 @@ class Pool:
         # What close() releases, released by the collector (or at exit) if close() never runs.
         self._remains = Remains()
         self._remains.workers = self._workers.by_token
+        self._change_sets: ChangeSets | None = None
         self._finalizer = weakref.finalize(self, release, self._remains)
 
     def __repr__(self) -> str:
@@ -234,6 +242,8 @@ class Pool:
         self._workers.forking = True
         self._act(self._workers.replenish())
         await self._remove_leftovers()
+        if self.journal is not None and self.journal.unfinished_applies:
+            await self._changes_store().finish_interrupted(self.journal, self._internal)
 
     def admit(self, calls: int) -> None:
         """Run at least ``calls`` calls at once from now on (``workers`` is only ever raised).
@@ -352,6 +362,7 @@ class Pool:
         on_output: OutputCallback | None = None,
         view: str | None = None,
         workspace: str | None = None,
+        changes: str | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
 
@@ -367,6 +378,10 @@ class Pool:
         container's (workers.view): the system read-only, the directories it holds read-write,
         nothing else of the host. ``cwd`` and the tool's paths are then paths in the view
         (relative ones to ``/``). Needs a root pool; elsewhere the call ends as ``error``.
+
+        ``changes``: this call's change mode, ``"direct"``, ``"tracked"`` or
+        ``"transactional"`` (default: the pool's); see sandbx_pool.changes. Outside direct
+        mode the outcome's ``changes`` lists what the call did to the workspace.
         """
         if self.state is PoolState.NEW:
             raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
@@ -375,6 +390,7 @@ class Pool:
         if self._template_lost:
             raise TemplateLost("the worker template died; open a new pool")
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
+        mode = change_mode(changes) if changes is not None else self.changes
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
@@ -393,6 +409,7 @@ class Pool:
             workspace=_normalised(workspace) if workspace is not None else self.workspace,
         )
         call.on_output = on_output
+        call.changes = mode
         unsubscribe = token_subscription(cancel, call)
         driver = asyncio.create_task(call.drive(self.journal, partial(self._run, call)))
         driver.set_name(call.call_id)
@@ -412,14 +429,118 @@ class Pool:
         # Checks that need no process, in order: nothing is forked for a refused call.
         if call.killer is not None:
             return call.killed_outcome()
+        tracked = call.changes is not ChangeMode.DIRECT
+        keeps_changes = tracked and call.tool in SIDE_EFFECT_TOOLS
+        try:
+            store = self._changes_store() if keeps_changes else None
+        except OSError as exc:
+            return call.outcome(Status.ERROR, error=f"cannot keep the call's changes: {exc}")
         payload = preflight.prepare(call, self._side())
         if isinstance(payload, Outcome):
             return payload
+        if store is not None:
+            try:
+                payload = self._keep_changes_apart(call, store)
+            except (OSError, Unsendable) as exc:
+                return call.outcome(Status.ERROR, error=f"cannot keep the call's changes: {exc}")
         if self.state is not PoolState.OPEN or self._template_lost:
             call.request_kill(KilledBy.SHUTDOWN, "pool closing")
         try:
             worker = await self._acquire(call)
         except WorkersFailToStart as exc:
+            return call.outcome(Status.ERROR, error=str(exc))
+        if worker is None:
+            return call.killed_outcome()
+        outcome = await self._execute(call, worker, payload)
+        if call.changes_dir is not None:
+            return await self._settle_changes(call, outcome)
+        return msgspec.structs.replace(outcome, changes=[]) if tracked else outcome
+
+    # -- change sets (sandbx_pool.changes) ----------------------------------------------------
+
+    def _changes_store(self) -> ChangeSets:
+        """The pool's change sets, beside its journal (in its runtime directory without one:
+        gone with the pool), hidden from every call from the first one on."""
+        if self._change_sets is None:
+            assert self._runtime_dir is not None
+            assert self._sandbox is not None
+            root = (
+                store_dir(self.journal.path)
+                if self.journal is not None
+                else os.path.join(self._runtime_dir, "changes")
+            )
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            self._change_sets = ChangeSets(root)
+            hidden = (*self._sandbox.hidden, os.path.realpath(root))
+            self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
+        return self._change_sets
+
+    def _store_exists(self) -> bool:
+        # The journal's own directory (J.d), never the workspace.
+        return self.journal is not None and os.path.isdir(store_dir(self.journal.path))
+
+    def _keep_changes_apart(self, call: CallState, store: ChangeSets) -> bytes:
+        """Give the call its overlay's directory; the Call encoded again with it."""
+        call.changes_dir = store.make_call_dir(call.call_id)
+        assert call.context is not None
+        call.context = msgspec.structs.replace(
+            call.context,
+            changes_dir=call.changes_dir,
+            changes_scan=call.changes is ChangeMode.TRACKED,
+        )
+        return encode_call(call)
+
+    async def _settle_changes(self, call: CallState, outcome: Outcome) -> Outcome:
+        """Apply the call's change set or keep it aside (sandbx_pool.changes)."""
+        return await self._changes_store().settle(
+            call_id=call.call_id,
+            mode=call.changes,
+            started_at=call.started_at,
+            outcome=outcome,
+            workspace=call.view or call.workspace or self.workspace,
+            journal=self.journal,
+            run=self._internal,
+            oldest_running=self._oldest_running(),
+        )
+
+    def _oldest_running(self) -> float:
+        return min((c.started_at for c in self._calls.values()), default=time.monotonic())
+
+    async def undo(self, call_id: str) -> list[str]:
+        """Put back every path a tracked or transactional call changed as it was before the
+        call (content, mode, deleted files back, created ones gone); journaled. Returns the
+        paths. Raises UndoConflict, changing nothing, when one of them was changed since (the
+        error names it and the later call); ValueError when the call has nothing to undo
+        (unknown, made in direct mode, its changes never applied, its pre-images gone)."""
+        if self.state is not PoolState.OPEN:
+            raise PoolClosed("the pool is not open")
+        if self.journal is None:
+            raise ValueError("undo needs the pool's journal: this pool has none")
+        if self._change_sets is None and not self._store_exists():
+            await self.journal.flush()
+            refuse_without_store(self.journal.path, call_id)
+        return await self._changes_store().undo(
+            call_id, self.journal, self._internal, oldest_running=self._oldest_running()
+        )
+
+    async def _internal(
+        self, call_id: str, tool: str, args: dict[str, Any], workspace: str
+    ) -> Outcome:
+        """Run one of the coordinator's own actions on a worker confined to ``workspace``,
+        the change sets' directory writable besides."""
+        call = CallState(call_id, tool, args, None, workspace=workspace)
+        context = preflight.call_context(call, workspace, self._side())
+        store = self._changes_store()
+        box = context.sandbox
+        call.context = msgspec.structs.replace(
+            context,
+            workspace=workspace,
+            sandbox=msgspec.structs.replace(box, writable=(*box.writable, store.root)),
+        )
+        try:
+            payload = encode_call(call)
+            worker = await self._acquire(call)
+        except (WorkersFailToStart, Unsendable) as exc:
             return call.outcome(Status.ERROR, error=str(exc))
         if worker is None:
             return call.killed_outcome()

@@ -112,6 +112,7 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
         keep_output_bytes=config.calls.keep_output_bytes,
         grace_s=config.calls.grace_s,
         workspace_root=pool.workspace,
+        changes_dir=call.changes_dir,
     )
 
 

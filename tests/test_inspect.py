@@ -405,3 +405,28 @@ async def test_the_pool_admits_the_evals_max_samples_and_the_log_names_the_journ
         assert named == [{"sandbx_journal": config.journal}]
     announced = [r for r in caplog.records if r.getMessage().startswith("sandbx: task journal")]
     assert [r.getMessage() for r in announced] == [f"sandbx: task journal {config.journal}"]
+
+
+async def test_a_transactional_task_keeps_a_timed_out_execs_writes_out(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("an overlay needs a root pool")
+    config = SandbxConfig(
+        journal=str(tmp_path / "journal.jsonl"),
+        pool_config=marked_pool_toml(tmp_path),
+        workers=2,
+        changes="transactional",
+    )
+    await SandbxSandboxEnvironment.task_init("startup", config)
+    try:
+        environments = await SandbxSandboxEnvironment.sample_init("test", config, {})
+        sample = environments["default"]
+        try:
+            with pytest.raises(TimeoutError):
+                await sample.exec(["sh", "-c", "echo x > half.txt; sleep 100"], timeout=1)
+            assert not (await sample.exec(["test", "-e", "half.txt"])).success
+            await sample.exec(["sh", "-c", "echo y > whole.txt"])
+            assert (await sample.read_file("whole.txt")) == "y\n"
+        finally:
+            await SandbxSandboxEnvironment.sample_cleanup("test", config, environments, False)
+    finally:
+        await SandbxSandboxEnvironment.task_cleanup("shutdown", config, True)

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import pytest
 from anyio.abc import Process
-from conftest import MARKER
+from conftest import MARKER, marked_config
 from helpers import (
     fifo_has_reader,
     pids_with,
@@ -35,6 +35,7 @@ from mcp import Client, ClientSession, StdioServerParameters, stdio_client, type
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
 
+from sandbx_pool import Pool
 from sandbx_pool.integrations.mcp import DEFAULT_TIMEOUT_S, error_text, outcome_result
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.tool_definitions import INTEGRATION_ONLY, tool_parameters
@@ -627,3 +628,27 @@ async def test_bash_output_arrives_as_progress_while_the_call_runs(server: Serve
     assert [message for _, _, message in notes] == ["first\n", "second\n"]
     assert [progress for _, progress, _ in notes] == [6, 13]  # characters so far: increasing
     assert ended - notes[0][0] >= 1.0
+
+
+async def test_results_name_the_paths_a_tracked_call_changed(
+    workspace: Path, tmp_path: Path
+) -> None:
+    config = marked_config(pool={"workers": 2})
+    async with Pool(
+        workspace, journal=tmp_path / "j.jsonl", config=config, changes="tracked"
+    ) as pool:
+        changed = await pool.call("bash", {"command": "echo a > a.txt; rm hello.txt"})
+        failed = await pool.call("bash", {"command": "echo b > b.txt; exit 3"})
+        kept = await pool.call(
+            "bash", {"command": "echo c > c.txt; sleep 100"}, timeout=1, changes="transactional"
+        )
+    text = outcome_result(changed).content[0].text  # type: ignore[union-attr]
+    assert text.endswith("\n[changed: a.txt (created), hello.txt (deleted)]")
+    assert outcome_result(changed).meta == {
+        "sandbx-pool/call_id": changed.call_id,
+        "sandbx-pool/changes": changed.changes,
+    }
+    assert "[changed: b.txt (created)]" in outcome_result(failed).content[0].text  # type: ignore[union-attr]
+    kept_text = outcome_result(kept).content[0].text  # type: ignore[union-attr]
+    assert kept_text.startswith("timeout: ")
+    assert kept_text.endswith("[changed, not applied to the workspace: c.txt (created)]")

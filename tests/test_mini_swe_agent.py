@@ -260,3 +260,25 @@ def test_cwd_is_chosen_as_the_local_environment_does(
         outside = env.execute({"command": "pwd"}, cwd=str(tmp_path))
     assert outside["returncode"] == -1
     assert "denied" in outside["exception_info"]
+
+
+def test_a_transactional_environment_keeps_a_timed_out_commands_writes_out(
+    workspace: Path, tmp_path: Path
+) -> None:
+    environment = get_environment(
+        {
+            "environment_class": DOTTED,
+            "cwd": str(workspace),
+            "journal": str(tmp_path / "journal.jsonl"),
+            "env": {MARKER: os.environ[MARKER]},
+            "changes": "transactional",
+        }
+    )
+    try:
+        result = environment.execute({"command": "echo half > hello.txt; sleep 100"}, timeout=1)
+        assert result["returncode"] == -1
+        assert (workspace / "hello.txt").read_text() == "hello\nworld\n"
+        assert environment.execute({"command": "echo done > done.txt"})["returncode"] == 0
+        assert (workspace / "done.txt").read_text() == "done\n"
+    finally:
+        environment.close()

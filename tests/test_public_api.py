@@ -29,6 +29,7 @@ PUBLIC = [
     "SandbxPoolError",
     "Status",
     "TemplateLost",
+    "UndoConflict",
     "load_config",
     "tool_schemas",
 ]

@@ -21,5 +21,15 @@ COORDINATOR_MAY_IMPORT = frozenset(
 )
 #: What ``sandbx_pool.cli.doctor`` may import besides: the probes of what the kernel gives.
 DOCTOR_MAY_IMPORT = frozenset(
-    {"cgroups", "containment", "immortal", "landlock", "lockdown", "rules", "seccomp", "zmtp"}
+    {
+        "cgroups",
+        "containment",
+        "immortal",
+        "landlock",
+        "lockdown",
+        "overlay",
+        "rules",
+        "seccomp",
+        "zmtp",
+    }
 )

@@ -89,6 +89,18 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: The pool's own workspace. A call's ``workspace`` or view below it is reached from it one
     #: name at a time, never through a symlink an earlier call planted (workers.paths.reach).
     workspace_root: str | None = None
+    #: Tracked and transactional mode: the call's own directory beside the journal, holding
+    #: ``upper`` and ``work``; the worker mounts an overlay on the workspace with them
+    #: (workers.overlay), so the call changes only ``upper``. None: the workspace itself.
+    changes_dir: str | None = None
+    #: Tracked mode: where no overlay can be mounted, list the workspace before and after the
+    #: tool instead (workers.changes.listing) and answer with the difference.
+    changes_scan: bool = False
+
+
+#: The file a tracked call's worker makes in its ``changes_dir`` when it lists the workspace
+#: instead of mounting an overlay (ExecutionContext.changes_scan).
+CHANGES_LISTED = "listed"
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):
@@ -130,6 +142,9 @@ class Result(Message, tag="result"):
     #: The worker answered after the coordinator's SIGTERM: ``value`` holds what the command
     #: printed until it was stopped, and the coordinator's kill decides the status.
     stopped: bool = False
+    #: Tracked mode without an overlay (ExecutionContext.changes_scan): what the listings
+    #: before and after the tool differ by, applied already.
+    changes: list[dict[str, Any]] | None = None
 
 
 class Output(Message, tag="output"):

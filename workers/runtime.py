@@ -18,6 +18,7 @@ before killing.
 from __future__ import annotations
 
 import _signal
+import contextlib
 import errno
 import gc
 import os
@@ -29,9 +30,19 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool.workers import cgroups, containment, sandbox, stopping, streaming, zmtp
+from sandbx_pool.workers import (
+    cgroups,
+    changes,
+    containment,
+    overlay,
+    sandbox,
+    stopping,
+    streaming,
+    zmtp,
+)
 from sandbx_pool.workers.errors import LimitExceeded, ToolError
 from sandbx_pool.workers.protocol import (
+    CHANGES_LISTED,
     MAX_MESSAGE_BYTES,
     Call,
     ExecutionContext,
@@ -262,6 +273,31 @@ def _wait_for_call(
                 return payload, joined
 
 
+def _keep_changes_apart(call: Call, prepared: sandbox.Prepared) -> bool:
+    """Tracked and transactional mode: the call sees its workspace through its overlay
+    (workers.overlay); True. The template's file rules hold the workspace's own directory,
+    which the overlay now covers: the call builds its rules on what it sees. False: no overlay
+    here, and the call is tracked by listings instead (``changes_scan``, not in a view);
+    otherwise the OverlayError refuses the call."""
+    ctx = call.context
+    try:
+        overlay.enter(ctx)
+    except overlay.OverlayError:
+        if ctx.changes_scan and ctx.sandbox.view is None:
+            # Said where the coordinator looks, before the tool runs: a worker killed before
+            # it answers leaves an empty upper directory that means "not known", not "none".
+            with contextlib.suppress(OSError):
+                os.close(
+                    os.open(os.path.join(ctx.changes_dir or "", CHANGES_LISTED), os.O_CREAT, 0o600)
+                )
+            return False
+        raise
+    if prepared.file_rules is not None:
+        prepared.file_rules.close()
+        prepared.file_rules = None
+    return True
+
+
 def serve(
     token: str,
     endpoint: str,
@@ -336,11 +372,16 @@ def serve(
             # namespace of its own, where RLIMIT_NPROC counts this call's tasks only. The
             # outcome cannot name the limit then: nothing records a fork it refused.
             containment.limit_processes_in_own_user_namespace(processes)
+        listed = call.context.changes_dir is not None and not _keep_changes_apart(call, prepared)
         confinement = sandbox.confine(call, prepared, runs_programs=runs_programs)
-    except sandbox.SandboxError as exc:
+    except (sandbox.SandboxError, overlay.OverlayError) as exc:
         result = Result(call_id=call.context.call_id, status="error", error=str(exc))
     else:
+        before = changes.listing(call.context.workspace) if listed else None
         result = run_call(confinement.call)
+        if before is not None:
+            found = changes.compare(before, changes.listing(call.context.workspace))
+            result = msgspec.structs.replace(result, changes=changes.listed(found, True))
         if (
             runs_programs
             and processes is not None

@@ -216,8 +216,33 @@ class RemoveTempsArgs(ToolArgs):
     paths: list[str]
 
 
-#: Actions only the coordinator asks for (journal recovery); no caller can name them.
-INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {"_remove_temps": RemoveTempsArgs}
+class ApplyChangesArgs(ToolArgs):
+    """Internal: scan a call's overlay upper directory and, with ``apply``, apply it to the
+    workspace (workers.tools.changes). ``taken``: paths other calls applied since this call
+    started, each with that call's id (a conflict)."""
+
+    call_id: str
+    upper: str
+    images: str
+    objects: str
+    apply: bool
+    taken: dict[str, str] = {}
+
+
+class UndoChangesArgs(ToolArgs):
+    """Internal: put back the pre-images of an applied change set."""
+
+    images: str
+    objects: str
+
+
+#: Actions only the coordinator asks for (journal recovery, change sets); no caller can name
+#: them.
+INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {
+    "_remove_temps": RemoveTempsArgs,
+    "_apply_changes": ApplyChangesArgs,
+    "_undo_changes": UndoChangesArgs,
+}
 
 #: Tools whose effects outlive the call: their journal intent is made durable before they run.
 SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash"})

@@ -3,13 +3,15 @@
 Each non-blank line of CALLS.jsonl is a JSON object::
 
     {"tool": "read", "args": {"path": "a.txt"}, "timeout": 5, "id": "c1", "cwd": "src",
-     "after": ["c0"], "workspace": "episode-7"}
+     "after": ["c0"], "workspace": "episode-7", "changes": "transactional"}
 
 ``tool`` is required; ``args`` defaults to ``{}``; ``timeout`` (seconds) defaults to the
 config's ``calls.timeout_s``; ``cwd`` to the workspace root. ``workspace`` names a folder under
 the run's workspace root (``--workspace``) that the call is confined to instead of the root; on
 a Ray cluster all calls of one workspace run on one node. ``meta`` is anything the file's
-author wants to keep with the line (an episode, a step); the runner ignores it. Any other key is
+author wants to keep with the line (an episode, a step); the runner ignores it. ``changes`` is
+the call's change mode (``direct``, ``tracked``, ``transactional``: sandbx_pool.changes; default
+``run --changes``, else the config's); it is not part of a derived id. Any other key is
 an error, so that a typo ("timout") is not silently ignored. ``after`` lists ids of *earlier*
 lines that must have finished (whatever their outcome) before this call starts: it orders a
 write before the edit of the same file, which parallel lanes would otherwise race.
@@ -40,11 +42,22 @@ from typing import Any, Final
 
 import msgspec
 
+from sandbx_pool.config import change_mode
 from sandbx_pool.errors import SandbxPoolError
 from sandbx_pool.workers.schemas import TOOL_ARGS, UnknownTool, parse_args
 
 #: The keys a line may have. Anything else is a typo worth stopping for ("timout").
-LINE_KEYS: Final = ("tool", "args", "timeout", "id", "cwd", "after", "meta", "workspace")
+LINE_KEYS: Final = (
+    "tool",
+    "args",
+    "timeout",
+    "id",
+    "cwd",
+    "after",
+    "meta",
+    "workspace",
+    "changes",
+)
 
 #: Problems listed in a BatchFileError; a file wrong on every line needs no 20,000-line message.
 MAX_REPORTED: Final = 20
@@ -65,6 +78,8 @@ class CallSpec(msgspec.Struct, frozen=True, kw_only=True):
     after: tuple[str, ...] = ()
     #: A folder under the run's workspace root (relative, normalised), or None: the root.
     workspace: str | None = None
+    #: The call's change mode, or None: the run's.
+    changes: str | None = None
 
 
 class LineProblem(msgspec.Struct, frozen=True):
@@ -174,6 +189,12 @@ def _parse_line(
         raise _BadLine(f'"cwd" must be a string, got {_json_type(cwd)}')
     after = _after(item.get("after", []), seen_ids)
     workspace = _workspace(item.get("workspace"))
+    changes = item.get("changes")
+    if changes is not None:
+        try:
+            change_mode(changes)
+        except ValueError as exc:
+            raise _BadLine(f'"changes" {str(exc).removeprefix("changes ")}') from None
     if "id" in item:
         call_id = _explicit_id(item["id"])
     else:
@@ -191,6 +212,7 @@ def _parse_line(
         cwd=cwd,
         after=after,
         workspace=workspace,
+        changes=changes,
     )
 
 

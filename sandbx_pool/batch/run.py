@@ -247,6 +247,8 @@ async def run_batch(
                     extra["on_output"] = sink.write if sink is not None else None
                     if spec.workspace is not None:
                         extra["workspace"] = os.path.join(pool.workspace, spec.workspace)
+                    if spec.changes is not None:
+                        extra["changes"] = spec.changes
                 else:  # a RayPool: workspaces by name, output only in the outcome
                     extra["workspace"] = spec.workspace
                 try:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Final
 from sandbx_pool.batch.calls import BatchFile, BatchFileError, load_batch
 from sandbx_pool.cli.arguments import positive_int
 from sandbx_pool.cli.checks import workspace_problem
-from sandbx_pool.config import Config, load_config
+from sandbx_pool.config import ChangeMode, Config, load_config
 from sandbx_pool.errors import ConfigError, SandbxPoolError
 from sandbx_pool.logs import logger
 
@@ -95,6 +95,12 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="run on a Ray cluster: its address, or 'auto' (the cluster this machine is part"
         " of); needs the ray extra",
     )
+    run.add_argument(
+        "--changes",
+        choices=[str(mode) for mode in ChangeMode],
+        help='what calls may do to the workspace (a line\'s own "changes" wins): see'
+        " [workspace] changes",
+    )
     run.set_defaults(func=_cmd_run)
 
     demo = subparsers.add_parser("demo", help="run a built-in batch on a temporary workspace")
@@ -107,6 +113,9 @@ def effective_config(args: argparse.Namespace) -> Config:
     """The config file (or the defaults) with the command line's flags on top. On Ray,
     ``--parallel`` counts calls across the cluster, not one node's workers."""
     config = load_config(args.config)
+    changes = getattr(args, "changes", None)
+    if changes is not None:
+        config = config.override(workspace={"changes": changes})
     if getattr(args, "ray", None):
         return config
     return config.override(pool={"workers": getattr(args, "parallel", None)})
@@ -137,6 +146,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _usage_error("run", "--fresh runs every call again, --resume the rest: not both")
     if args.ray is not None and args.output_dir is not None:
         return _usage_error("run", "--output-dir is not available with --ray (no streaming)")
+    if args.ray is not None and (
+        config.workspace.changes != "direct" or any(spec.changes for spec in batch.calls)
+    ):
+        return _usage_error("run", "tracked and transactional calls need a local pool, not --ray")
     if args.ray is not None and not _ray_installed():
         return _usage_error("run", "--ray needs Ray: pip install 'sandbx-pool[ray]'")
     if args.output_dir is not None:
@@ -227,6 +240,8 @@ def resume_command(args: argparse.Namespace, journal: str, *, rerun_started: boo
         words += ["--output-dir", os.path.abspath(args.output_dir)]
     if args.ray is not None:
         words += ["--ray", args.ray]  # an address or "auto", not a path
+    if getattr(args, "changes", None) is not None:
+        words += ["--changes", args.changes]
     words.append("--resume")
     if rerun_started:
         words.append("--rerun-started")

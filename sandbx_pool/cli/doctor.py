@@ -38,6 +38,7 @@ from sandbx_pool.workers import (
     immortal,
     landlock,
     lockdown,
+    overlay,
     rules,
     seccomp,
 )
@@ -238,8 +239,32 @@ def _mount_probes() -> dict[str, bool]:
         found["symlinks_refused"] = False
     with contextlib.suppress(OSError):
         _libc.umount(scratch, _libc.MNT_DETACH)
+    found["overlay"] = _overlay_probe(scratch)
     os.rmdir(scratch)
     return found
+
+
+def _overlay_probe(scratch: str) -> bool:
+    """Whether a tracked or transactional call's overlay mounts here, with its options
+    (workers.overlay), on a temporary directory's filesystem."""
+    layers = [os.path.join(scratch, name) for name in ("lower", "upper", "work")]
+    for layer in layers:
+        os.mkdir(layer)
+    lower, upper, work = layers
+    options = f"lowerdir={lower},upperdir={upper},workdir={work},{overlay.OPTIONS}"
+    try:
+        _libc.mount("sandbx-changes", lower, "overlay", 0, options)
+        mounted = True
+    except OSError:
+        mounted = False
+    with contextlib.suppress(OSError):
+        _libc.umount(lower, _libc.MNT_DETACH)
+    for layer in reversed(layers):
+        with contextlib.suppress(OSError):
+            for name in os.listdir(layer):  # the work dir's own "work"
+                os.rmdir(os.path.join(layer, name))
+            os.rmdir(layer)
+    return mounted
 
 
 def _run_child_probes(*, user_namespaces: bool = True) -> dict[str, Any]:
@@ -484,6 +509,14 @@ def diagnose(*, user_namespaces: bool = True) -> list[Check]:
             "a private /proc per call (no coordinator environ) and the socket dir hidden",
             "calls see every process in /proc, and can reach the coordinator's socket (which "
             "drops what is not from the worker it chose)",
+        ),
+        Check(
+            "overlayfs (tracked, transactional changes)",
+            bool(child.get("overlay")),
+            "a tracked or transactional call runs on an overlay of the workspace: its change"
+            " set is exact, a transactional one lands only if it ends ok",
+            'changes = "tracked" and "transactional" are refused (each such call ends as'
+            " error, never run direct); direct mode works",
         ),
         Check(
             "network namespaces",

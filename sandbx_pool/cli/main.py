@@ -1,4 +1,4 @@
-"""The ``sandbx-pool`` command: call, run, demo, tools, schema, journal, mcp."""
+"""The ``sandbx-pool`` command: call, run, demo, tools, schema, journal, undo, mcp."""
 
 from __future__ import annotations
 
@@ -130,6 +130,38 @@ def _cmd_call(args: argparse.Namespace) -> int:
     return run_until_signalled(one_call)
 
 
+def _cmd_undo(args: argparse.Namespace) -> int:
+    """Put back what a tracked or transactional call changed: 0 done, 1 refused because a
+    path changed since (UndoConflict), 2 nothing to undo (unknown id, direct mode, J.d gone)."""
+    from sandbx_pool.config import load_config
+    from sandbx_pool.errors import UndoConflict
+    from sandbx_pool.pool import Pool
+    from sandbx_pool.signals import Stopper, run_until_signalled
+
+    config = load_config(args.config)
+    problem = workspace_problem(args.workspace)
+    if problem is not None:
+        return _usage_error(f"undo: {problem}")
+    if not os.path.isfile(args.journal):
+        return _usage_error(f"undo: --journal {args.journal}: no such journal")
+    config = config.override(pool={"warm_up": False, "prefork": 0})
+
+    async def undo(stopper: Stopper) -> int:
+        pool = stopper.watch(Pool(args.workspace, journal=args.journal, config=config))
+        async with pool:
+            try:
+                paths = await pool.undo(args.call_id)
+            except UndoConflict as exc:
+                print(f"sandbx-pool undo: {exc}", file=sys.stderr)
+                return EXIT_FAILED
+            except ValueError as exc:
+                return _usage_error(f"undo: {exc}")
+        print(json.dumps({"call_id": args.call_id, "undone": paths}, indent=2))
+        return EXIT_OK
+
+    return run_until_signalled(undo)
+
+
 def _cmd_mcp(args: argparse.Namespace) -> int:
     from sandbx_pool.config import load_config
 
@@ -209,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_parsers(commands)
     add_journal_parser(commands)
+    undo = commands.add_parser("undo", help="put back what a tracked or transactional call changed")
+    undo.add_argument("call_id", metavar="CALL_ID")
+    undo.add_argument("--journal", required=True, metavar="PATH", help="the call's journal")
+    undo.add_argument("--workspace", required=True, help="the call's workspace")
+    undo.add_argument("--config", metavar="FILE", help="TOML settings")
+    undo.set_defaults(func=_cmd_undo)
     doctor = commands.add_parser("doctor", help="show which protections this machine enforces")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.add_argument(

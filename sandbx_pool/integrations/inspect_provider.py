@@ -118,6 +118,9 @@ class SandbxConfig(BaseModel):
     journal: str | None = None  # the task's journal (None: a fresh one, logged)
     workers: int | None = None  # parallel calls at most (None: the pool's default)
     pool_config: str | None = None  # a sandbx-pool TOML file: env, limits, gate, sandbox
+    #: What the samples' calls may do to their files (sandbx_pool.changes): "transactional"
+    #: keeps a timed-out or failed exec's writes out of the sample (None: the pool config's).
+    changes: Literal["direct", "tracked", "transactional"] | None = None
 
     @field_validator("workdir")
     @classmethod
@@ -180,7 +183,11 @@ async def _open_task(settings: SandbxConfig) -> _Task:
     # housekeeping keeps them; a call in a view never does (workers.sandbox).
     config = config.override(sandbox={"keep_root": True})
     pool = Pool(
-        settings.workspace, workers=settings.workers, journal=settings.journal, config=config
+        settings.workspace,
+        workers=settings.workers,
+        journal=settings.journal,
+        config=config,
+        changes=settings.changes,
     )
     if settings.workers is None:
         pool.admit(inspect_eval.max_subprocesses() or 0)  # inspect_eval: why

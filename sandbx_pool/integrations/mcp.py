@@ -89,21 +89,42 @@ def outcome_result(outcome: Outcome, args: dict[str, Any] | None = None) -> type
     ``structuredContent`` is the value itself. Any other status is a tool error (``isError``),
     so the model sees it and can adapt, with the status first in the text (and what a killed
     command printed until then) and the whole outcome as ``structuredContent``. ``_meta``
-    carries the journal's call id.
+    carries the journal's call id. A tracked or transactional call's text ends with the paths
+    it changed (``changes_text``), and ``_meta`` carries its change list.
     """
-    meta = {"sandbx-pool/call_id": outcome.call_id}
+    meta: dict[str, Any] = {"sandbx-pool/call_id": outcome.call_id}
+    if outcome.changes is not None:
+        meta["sandbx-pool/changes"] = outcome.changes
     if outcome.status is Status.OK:
         value = outcome.value or {}
-        text = result_text(outcome.tool, value, args)
+        text = result_text(outcome.tool, value, args) + changes_text(outcome)
         return types.CallToolResult(
             content=[types.TextContent(text=text)], structured_content=value, _meta=meta
         )
     return types.CallToolResult(
-        content=[types.TextContent(text=error_text(outcome))],
+        content=[types.TextContent(text=error_text(outcome) + changes_text(outcome))],
         structured_content=outcome.to_dict(),
         is_error=True,
         _meta=meta,
     )
+
+
+#: At most this many changed paths are named in a result's text (all are in ``_meta``).
+CHANGES_SHOWN = 20
+
+
+def changes_text(outcome: Outcome) -> str:
+    """``[changed: a (created), b (modified)]`` on a line of its own, saying when the changes
+    were not applied; empty when the call was made in direct mode or changed nothing."""
+    if not outcome.changes:
+        return ""
+    named = [f"{change['path']} ({change['kind']})" for change in outcome.changes[:CHANGES_SHOWN]]
+    more = len(outcome.changes) - len(named)
+    if more:
+        named.append(f"and {more} more")
+    applied = all(change.get("applied") for change in outcome.changes)
+    label = "changed" if applied else "changed, not applied to the workspace"
+    return f"\n[{label}: {', '.join(named)}]"
 
 
 def error_text(outcome: Outcome) -> str:

@@ -63,6 +63,9 @@ class SandbxEnvironmentConfig(BaseModel):
     workers: int | None = None  # parallel commands at most
     journal: str | None = None  # the journal of every command (None: a fresh one, logged)
     pool_config: str | None = None  # a sandbx-pool TOML file (gate, limits, sandbox...)
+    #: direct, tracked or transactional (sandbx_pool.changes; None: the pool config's):
+    #: "transactional" keeps a timed-out or killed command's writes out of the workspace.
+    changes: str | None = None
 
 
 class SandbxEnvironment:
@@ -83,6 +86,7 @@ class SandbxEnvironment:
                 workers=self.config.workers,
                 journal=self.config.journal,
                 config=self.config.pool_config,
+                changes=self.config.changes,
             )
         except BaseException:
             _stop_loop(self._loop, self._thread)

@@ -12,7 +12,9 @@ Two questions are asked of a journal's calls, and kept apart by name:
   node), and that no later outcome settled. The one definition: ``journal in-doubt`` lists
   these, ``journal stats`` counts them and ``run --resume`` skips them (``--rerun-started``
   runs them). A call stopped before it started is not in doubt (it provably did not run), nor
-  is a call of a tool that may simply run again (read, ls, grep, find, write).
+  is a call of a tool that may simply run again (read, ls, grep, find, write), nor a
+  transactional call (sandbx_pool.changes) whose change set was never applied: no
+  ``applying`` record follows its latest intent, so the workspace is as it was before it.
 * **interrupted** (``interrupted``): every intent, of any tool, that has no later outcome of
   its call id: what was in flight when a coordinator died. The pool reports these at open
   (``Pool.interrupted``, the ``in_doubt`` records) and removes their writes' temp files.
@@ -37,6 +39,7 @@ from sandbx_pool.journal.records import (
     IDEMPOTENT_TOOLS,
     JOURNAL_REFUSED,
     NODE_LOST,
+    ApplyingRecord,
     InDoubtRecord,
     IntentRecord,
     JournalRecord,
@@ -219,13 +222,26 @@ def call_ledger(scan: JournalScan) -> CallLedger:
         intent = latest_intent.get(call_id)
         doubt[call_id] = (position, InDoubtCall(call_id=call_id, tool=tool, why=why, intent=intent))
 
+    applying: set[str] = set()  # calls whose latest attempt began to apply its changes
+
+    def kept_aside(call_id: str) -> bool:
+        # A transactional attempt that never began to apply its change set left the
+        # workspace as it was: running it again repeats nothing there.
+        intent = latest_intent.get(call_id)
+        transactional = intent is not None and intent.changes == "transactional"
+        return transactional and call_id not in applying
+
     for position, record in enumerate(scan.records):
         call_id = record.call_id
+        if isinstance(record, ApplyingRecord):
+            applying.add(call_id)
+            continue
         if isinstance(record, IntentRecord):
             seen.add(call_id)
             earlier = open_attempts.pop(call_id, None)
-            if earlier is not None and may_not_repeat(earlier[1].tool):
+            if earlier is not None and may_not_repeat(earlier[1].tool) and not kept_aside(call_id):
                 doubted(earlier[0], call_id, earlier[1].tool, Doubt.NO_OUTCOME)
+            applying.discard(call_id)
             open_attempts[call_id] = (position, record)
             latest_intent[call_id] = record
             if record.workspace is not None:
@@ -237,12 +253,12 @@ def call_ledger(scan: JournalScan) -> CallLedger:
             if ran_to_an_end(record):
                 finished.add(call_id)
                 doubt.pop(call_id, None)
-            elif record.started and may_not_repeat(record.tool):
+            elif record.started and may_not_repeat(record.tool) and not kept_aside(call_id):
                 lost = is_node_lost(record.status, record.reason)
                 why = Doubt.NODE_LOST_AFTER_START if lost else Doubt.STOPPED_AFTER_START
                 doubted(position, call_id, record.tool, why)
     for call_id, (position, intent) in open_attempts.items():
-        if may_not_repeat(intent.tool):
+        if may_not_repeat(intent.tool) and not kept_aside(call_id):
             doubted(position, call_id, intent.tool, Doubt.NO_OUTCOME)
     ordered = [call for _, call in sorted(doubt.values(), key=lambda item: item[0])]
     return CallLedger(seen=seen, finished=finished, in_doubt=ordered, workspaces=workspaces)
@@ -279,6 +295,22 @@ def interrupted(scan: JournalScan, *, include_reported: bool = True) -> list[Int
             pending.pop(record.call_id, None)
     left = sorted(item for items in pending.values() for item in items)
     return [record for _, record in left]
+
+
+def unfinished_applies(scan: JournalScan) -> list[ApplyingRecord]:
+    """Change sets whose apply began (an ``applying`` record) and whose call has no later
+    outcome but a shutdown's without ``changes``: a coordinator died while it applied them, or
+    close() gave up on the call mid-apply. The next coordinator finishes them
+    (sandbx_pool.changes). An apply that failed has an outcome saying so, and is not retried."""
+    pending: dict[str, ApplyingRecord] = {}
+    for record in scan.records:
+        if isinstance(record, ApplyingRecord):
+            pending[record.call_id] = record
+        elif isinstance(record, OutcomeRecord) and not (
+            record.changes is None and is_shutdown_cancel(record.status, record.killed_by)
+        ):
+            pending.pop(record.call_id, None)
+    return list(pending.values())
 
 
 def unfinished_writes(records: list[IntentRecord], workspace: str) -> list[str]:

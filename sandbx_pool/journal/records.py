@@ -6,6 +6,10 @@ A call leaves, in order::
     {"kind": "started", "call_id": ..., "pid": ...}          (a worker took the call)
     {"kind": "outcome", "call_id": ..., "status": ..., ...}  (exactly one per intent)
 
+a call in tracked or transactional mode whose change set is applied, an ``applying`` record
+between its ``started`` and its outcome (whose ``changes`` lists the paths), and an ``undo``
+of it an ``undone`` record,
+
 and, when a coordinator reopens a journal whose previous writer died with calls in flight, one
 ``in_doubt`` record per intent left without an outcome: the new coordinator reported it (log,
 ``Journal.interrupted``, the pool's temp-file cleanup), so the next opening reports only the
@@ -85,6 +89,8 @@ class IntentRecord(Record, tag="intent", frozen=True, kw_only=True):
     #: The pool's workspace, which ``cwd`` is relative to (absent in journals written before
     #: it was recorded).
     workspace: str | None = None
+    #: The call's change mode (sandbx_pool.changes); absent: direct.
+    changes: str | None = None
 
 
 class StartedRecord(Record, tag="started", frozen=True, kw_only=True):
@@ -112,6 +118,8 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
     stuck_pid: int | None = None
     #: The Ray node the call ran on (integrations.ray); absent on one machine.
     node: str | None = None
+    #: What the call did to the workspace (tracked, transactional): Outcome.changes.
+    changes: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_outcome(cls, outcome: Outcome, *, time: float, limit: int) -> OutcomeRecord:
@@ -133,6 +141,7 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
             wchan=outcome.wchan,
             stuck_pid=outcome.stuck_pid,
             node=outcome.node,
+            changes=outcome.changes,
         )
 
 
@@ -142,7 +151,25 @@ class InDoubtRecord(Record, tag="in_doubt", frozen=True, kw_only=True):
     tool: str
 
 
-JournalRecord = IntentRecord | StartedRecord | OutcomeRecord | InDoubtRecord
+class ApplyingRecord(Record, tag="applying", frozen=True, kw_only=True):
+    """A call's change set is about to be applied to the workspace (sandbx_pool.changes):
+    durable before the first path is touched. Without a later outcome, the apply may be half
+    done; the next coordinator finishes it. ``status``: the call's, as it ended."""
+
+    tool: str
+    workspace: str
+    status: str
+
+
+class UndoneRecord(Record, tag="undone", frozen=True, kw_only=True):
+    """``undo`` put back what call ``call_id`` changed: ``paths``."""
+
+    paths: list[str]
+
+
+JournalRecord = (
+    IntentRecord | StartedRecord | OutcomeRecord | InDoubtRecord | ApplyingRecord | UndoneRecord
+)
 
 
 def _encode_fallback(obj: Any) -> Any:

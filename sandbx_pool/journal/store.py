@@ -40,11 +40,13 @@ from sandbx_pool.errors import JournalError, JournalLocked
 from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.reader import JournalScan
 from sandbx_pool.journal.records import (
+    ApplyingRecord,
     InDoubtRecord,
     IntentRecord,
     JournalRecord,
     OutcomeRecord,
     StartedRecord,
+    UndoneRecord,
     summarize,
 )
 from sandbx_pool.journal.writer import JournalWriteError, JournalWriter, RecordMaker, Waiter
@@ -72,12 +74,16 @@ class Journal:
         lock_fd: int,
         dir_fd: int,
         interrupted: list[IntentRecord],
+        unfinished_applies: list[ApplyingRecord] | None = None,
     ) -> None:
         self.path = path
+        #: Change sets a previous coordinator began to apply and gave no outcome
+        #: (sandbx_pool.changes finishes them): their calls' outcomes are still to come.
+        self.unfinished_applies = list(unfinished_applies or [])
         self._settings = settings
         self._policy = settings.policy
         self._interrupted = interrupted
-        self._open_calls: set[str] = set()
+        self._open_calls: set[str] = {record.call_id for record in self.unfinished_applies}
         self._closing: asyncio.Future[None] | None = None
         self._writer = JournalWriter(path, settings, fd=fd, lock_fd=lock_fd, dir_fd=dir_fd)
 
@@ -115,6 +121,7 @@ class Journal:
             lock_fd=opened.lock_fd,
             dir_fd=opened.dir_fd,
             interrupted=pending,
+            unfinished_applies=journal_reader.unfinished_applies(opened.scan),
         )
         journal._log_opened(opened.scan)
         if pending:
@@ -167,6 +174,7 @@ class Journal:
         cwd: str,
         timeout_s: float | None,
         workspace: str | None = None,
+        changes: str | None = None,
     ) -> None:
         """Journal a call about to be dispatched; return once it is as durable as required.
 
@@ -191,6 +199,7 @@ class Journal:
                 cwd=cwd,
                 timeout_s=timeout_s,
                 workspace=workspace,
+                changes=changes,
             )
 
         if call_id in self._open_calls:
@@ -212,6 +221,25 @@ class Journal:
         self._put(
             lambda: StartedRecord(call_id=call_id, time=stamp, pid=pid),
             sync=self._policy is JournalPolicy.ALWAYS,
+        )
+
+    async def applying(self, call_id: str, tool: str, workspace: str, status: str) -> None:
+        """Journal that a call's change set is about to be applied; return once it is on disk
+        (written only, under policy OFF). Raises ``JournalWriteError``: nothing is applied."""
+        stamp = time.time()
+        await self._wait(
+            lambda: ApplyingRecord(
+                call_id=call_id, time=stamp, tool=tool, workspace=workspace, status=status
+            ),
+            sync=self._policy is not JournalPolicy.OFF,
+        )
+
+    async def undone(self, call_id: str, paths: list[str]) -> None:
+        """Journal an undo of ``call_id``'s changes; return once it is as durable as intents."""
+        stamp = time.time()
+        await self._wait(
+            lambda: UndoneRecord(call_id=call_id, time=stamp, paths=paths),
+            sync=self._policy is not JournalPolicy.OFF,
         )
 
     def outcome(self, outcome: Outcome) -> None:

@@ -65,6 +65,7 @@ from sandbx_pool.config import JournalPolicy, JournalSettings
 from sandbx_pool.errors import JournalError
 from sandbx_pool.journal import restore
 from sandbx_pool.journal.records import (
+    ApplyingRecord,
     IntentRecord,
     JournalRecord,
     OutcomeRecord,
@@ -313,7 +314,7 @@ class JournalWriter:
         buffer.extend(b"\n")
         if isinstance(record, IntentRecord):
             self._open_lines[record.call_id] = [bytes(buffer[start:])]
-        elif isinstance(record, StartedRecord):
+        elif isinstance(record, StartedRecord | ApplyingRecord):
             if (lines := self._open_lines.get(record.call_id)) is not None:
                 lines.append(bytes(buffer[start:]))
         elif isinstance(record, OutcomeRecord):
@@ -594,5 +595,5 @@ def _degraded(record: JournalRecord, exc: Exception) -> JournalRecord:
     if isinstance(record, IntentRecord):
         return msgspec.structs.replace(record, args=note)
     if isinstance(record, OutcomeRecord):
-        return msgspec.structs.replace(record, value_summary=note)
+        return msgspec.structs.replace(record, value_summary=note, changes=None)
     raise exc

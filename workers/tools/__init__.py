@@ -12,6 +12,7 @@ from typing import Any
 
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.tools.bash import run_bash
+from sandbx_pool.workers.tools.changes import apply_changes, undo_changes
 from sandbx_pool.workers.tools.files import edit_file, list_directory, read_file, write_file
 from sandbx_pool.workers.tools.find import find_paths
 from sandbx_pool.workers.tools.grep import grep_files
@@ -30,6 +31,11 @@ TOOLS: dict[str, ToolFunction] = {
 }
 
 #: Every action a worker can run: the tools plus the coordinator's internal ones.
-WORKER_ACTIONS: dict[str, ToolFunction] = {**TOOLS, "_remove_temps": remove_temps}
+WORKER_ACTIONS: dict[str, ToolFunction] = {
+    **TOOLS,
+    "_remove_temps": remove_temps,
+    "_apply_changes": apply_changes,
+    "_undo_changes": undo_changes,
+}
 
 __all__ = ["TOOLS", "WORKER_ACTIONS", "ToolFunction"]
