@@ -180,3 +180,14 @@ def marked_pool_toml(directory: Path) -> str:
 def journal_records(path: str) -> list[dict[str, Any]]:
     """Every record of the journal at ``path``, in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+async def bash_value(pool: Any, command: str, *, ok: bool = True, **kwargs: Any) -> dict[str, Any]:
+    """A bash call's value (30 s unless ``timeout`` says), its status asserted ``ok`` unless
+    ``ok=False`` (a command expected to fail still leaves its output)."""
+    outcome = await pool.call("bash", {"command": command}, **{"timeout": 30, **kwargs})
+    if ok:
+        assert outcome.status == "ok", outcome
+    assert outcome.value is not None, outcome
+    value: dict[str, Any] = outcome.value
+    return value

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from conftest import marked_config
+from helpers import bash_value
 
 from sandbx_pool import Pool, Status
 from sandbx_pool.batch.calls import parse_batch
@@ -43,12 +44,6 @@ async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
     config = marked_config(pool={"workers": 2})
     async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
         yield pool
-
-
-async def bash(pool: Pool, command: str, **kwargs: Any) -> dict[str, Any]:
-    outcome = await pool.call("bash", {"command": command}, **{"timeout": 30, **kwargs})
-    assert outcome.value is not None, outcome
-    return outcome.value
 
 
 def _hook(marker: Path) -> str:
@@ -375,3 +370,8 @@ async def test_a_call_that_fills_the_journals_disk_does_not_stop_the_batch(
     assert sum(r["kind"] == "outcome" for r in records) == 21
     # The room kept past the journal's end is given back when the pool closes.
     assert os.stat(journal).st_blocks * 512 < 1024 * 1024
+
+
+async def bash(pool: Pool, command: str, **kwargs: Any) -> dict[str, Any]:
+    """The attacks' bash: a command expected to be refused still leaves its output."""
+    return await bash_value(pool, command, ok=False, **kwargs)

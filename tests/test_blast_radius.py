@@ -31,10 +31,10 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import marked_config
+from helpers import bash_value as bash
 from helpers import pids_with, unique_tag, wait_until
 
 from sandbx_pool import Pool, Status
@@ -49,13 +49,6 @@ _PLANT = "import os; open(os.environ.get('PLANT_MARK', '/nonexistent/x'), 'w').w
 async def pool(workspace: Path) -> AsyncIterator[Pool]:
     async with Pool(workspace, config=marked_config(pool={"workers": 4})) as pool:
         yield pool
-
-
-async def bash(pool: Pool, command: str, **kwargs: Any) -> dict[str, Any]:
-    outcome = await pool.call("bash", {"command": command}, timeout=30, **kwargs)
-    assert outcome.status is Status.OK, outcome
-    assert outcome.value is not None
-    return outcome.value
 
 
 # -- planted code -------------------------------------------------------------------------------

@@ -24,11 +24,11 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 from conftest import marked_config
+from helpers import bash_value as bash
 from helpers import wait_until
 
 from sandbx_pool import Limits, Pool, Status
@@ -50,13 +50,6 @@ async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
     config = marked_config(pool={"workers": 2})
     async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
         yield pool
-
-
-async def bash(pool: Pool, command: str, **kwargs: Any) -> dict[str, Any]:
-    outcome = await pool.call("bash", {"command": command}, timeout=30, **kwargs)
-    assert outcome.status is Status.OK, outcome
-    assert outcome.value is not None
-    return outcome.value
 
 
 # -- the user namespace -------------------------------------------------------------------------
