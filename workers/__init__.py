@@ -19,7 +19,8 @@ are loaded by the template process alone.
 COORDINATOR_MAY_IMPORT = frozenset(
     {"protocol", "schemas", "errors", "globs", "procfs", "_libc", "rg_binary", "hooks_path"}
 )
-#: What ``sandbx_pool.cli.doctor`` may import besides: the probes of what the kernel gives.
+#: What ``sandbx_pool.cli.doctor`` (and its probes, ``doctor_probes``) may import besides: the
+#: worker side's probes of what the kernel gives.
 DOCTOR_MAY_IMPORT = frozenset(
     {
         "cgroups",
