@@ -549,8 +549,10 @@ async def test_a_transactional_call_a_shutdown_stopped_is_not_in_doubt(
 ) -> None:
     journal = tmp_path / "j.jsonl"
     config = _config(tmp_path).override(pool={"close_timeout_s": 10.0})
-    fifo = tmp_path / "sync" / "ran"
-    os.mkfifo(fifo)
+    modes = ("transactional", "direct")
+    fifos = {mode: tmp_path / "sync" / mode for mode in modes}  # one each: no crosstalk
+    for fifo in fifos.values():
+        os.mkfifo(fifo)
     pool = Pool(workspace, journal=journal, config=config)
     await pool.start()
     try:
@@ -558,16 +560,15 @@ async def test_a_transactional_call_a_shutdown_stopped_is_not_in_doubt(
             asyncio.create_task(
                 pool.call(
                     "bash",
-                    {"command": f"echo x >> counter; echo > {fifo}; sleep 100"},
+                    {"command": f"echo x >> counter; echo > {fifos[mode]}; sleep 100"},
                     changes=mode,
                     call_id=mode,
                 )
             )
-            for mode in ("transactional", "direct")
+            for mode in modes
         ]
-        for _ in calls:  # both commands ran their first line
-            fd = await _wait_for_fifo_reader_opened(fifo)
-            os.close(fd)
+        for fifo in fifos.values():  # both commands ran their first line
+            await _read_what_a_command_writes(fifo)
     finally:
         await pool.close()
     outcomes = await asyncio.gather(*calls)
@@ -579,7 +580,17 @@ async def test_a_transactional_call_a_shutdown_stopped_is_not_in_doubt(
     assert [call.call_id for call in in_doubt_calls(read_journal(journal))] == ["direct"]
 
 
-async def _wait_for_fifo_reader_opened(fifo: Path) -> int:
+async def _read_what_a_command_writes(fifo: Path) -> None:
     """Open ``fifo`` for reading once a command opened it for writing (a blocking open in a
-    thread: the command's ``echo`` waits for us as we wait for it)."""
-    return await asyncio.to_thread(os.open, fifo, os.O_RDONLY)
+    thread: the command's ``echo`` waits for us as we wait for it), and read until it closes
+    its end. Closing ours first would end the command with SIGPIPE before its next line."""
+
+    def read_to_eof() -> None:
+        fd = os.open(fifo, os.O_RDONLY)
+        try:
+            while os.read(fd, 4096):
+                pass
+        finally:
+            os.close(fd)
+
+    await asyncio.to_thread(read_to_eof)
