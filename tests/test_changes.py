@@ -26,7 +26,13 @@ from sandbx_pool.config import load_config
 from sandbx_pool.journal.prune import prune_default_journals
 from sandbx_pool.journal.reader import in_doubt_calls, read_journal
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="an overlay needs a root pool")
+#: A tracked or transactional call runs on an overlay in its mount namespace: where doctor says
+#: none mounts (a container's root, user namespaces refused), the calls fall back or are refused,
+#: which test_without_an_overlay_tracked_lists_and_transactional_is_refused checks as root.
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="an overlay needs a root pool"),
+    pytest.mark.needs("overlayfs (tracked, transactional changes)"),
+]
 
 
 def _by_path(changes: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
