@@ -407,6 +407,7 @@ async def test_the_pool_admits_the_evals_max_samples_and_the_log_names_the_journ
     assert [r.getMessage() for r in announced] == [f"sandbx: task journal {config.journal}"]
 
 
+@pytest.mark.needs("mount namespaces", "overlayfs (tracked, transactional changes)")
 async def test_a_transactional_task_keeps_a_timed_out_execs_writes_out(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("an overlay needs a root pool")

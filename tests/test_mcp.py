@@ -630,6 +630,7 @@ async def test_bash_output_arrives_as_progress_while_the_call_runs(server: Serve
     assert ended - notes[0][0] >= 1.0
 
 
+@pytest.mark.needs("overlayfs (tracked, transactional changes)")
 async def test_results_name_the_paths_a_tracked_call_changed(
     workspace: Path, tmp_path: Path
 ) -> None:
