@@ -46,6 +46,8 @@ class CallState(CallLife):
         #: Tracked and transactional calls that change files: their overlay's directory
         #: (sandbx_pool.changes), made once the call passed its checks.
         self.changes_dir: str | None = None
+        #: A session's bash call: the session's exports (sandbx_pool.sessions).
+        self.session_env: dict[str, str] | None = None
 
     def journaled_workspace(self) -> str | None:
         # A view's call: cwd and paths are the view's, the view is where they are.

@@ -56,7 +56,9 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     ran on, when it went through ``integrations.ray`` (None on one machine). ``changes``
     (tracked and transactional mode, sandbx_pool.changes): what the call did to the
     workspace, one dict per path, ``{"path", "kind", "type", "size", "applied"}``; ``[]``
-    for a call that changed nothing; None in direct mode.
+    for a call that changed nothing; None in direct mode. ``session`` (a call made with
+    ``session=``, sandbx_pool.sessions): the session's state after the call, ``{"id",
+    "workspace", "cwd", "env", "updated", "note"}`` (``view`` too, in one); None otherwise.
     """
 
     call_id: str
@@ -77,6 +79,7 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     error_code: str | None = None
     node: str | None = None
     changes: list[dict[str, Any]] | None = None
+    session: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

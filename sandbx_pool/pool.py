@@ -49,6 +49,7 @@ import os
 import signal
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -91,6 +92,7 @@ from sandbx_pool.scheduling_actions import (
     Signal,
     Watch,
 )
+from sandbx_pool.sessions import Sessions, check_id
 from sandbx_pool.template_handle import TemplateHandle
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck, signal_worker
 from sandbx_pool.worker_set import WorkerSet
@@ -166,6 +168,8 @@ class Pool:
         self._remains = Remains()
         self._remains.workers = self._workers.by_token
         self._change_sets: ChangeSets | None = None
+        #: Shell sessions (sandbx_pool.sessions): restored from the journal at start.
+        self._sessions = Sessions()
         self._finalizer = weakref.finalize(self, release, self._remains)
 
     def __repr__(self) -> str:
@@ -208,6 +212,7 @@ class Pool:
                 # Its writer's own synchronous stop (it flushes what is queued, then closes).
                 self._remains.stoppers.append(self.journal._writer.stop_at_exit)
                 self._hide_journal(self.journal.path)
+                self._sessions.restore(self.journal.sessions)
             if self._journal_path is None and self.journal is not None:
                 logger.info("journal: {}", self.journal.path)
             endpoint = f"ipc://{self._runtime_dir}/coordinator.sock"
@@ -363,6 +368,7 @@ class Pool:
         view: str | None = None,
         workspace: str | None = None,
         changes: str | None = None,
+        session: str | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
 
@@ -382,6 +388,14 @@ class Pool:
         ``changes``: this call's change mode, ``"direct"``, ``"tracked"`` or
         ``"transactional"`` (default: the pool's); see sandbx_pool.changes. Outside direct
         mode the outcome's ``changes`` lists what the call did to the workspace.
+
+        ``session``: a shell session's id (sandbx_pool.sessions). A bash call starts in the
+        cwd and with the exports the session's previous bash call left, and leaves its own
+        for the next one (a call that does not end ``ok`` changes nothing); other tools run
+        in the session's cwd. Calls of one session run one after another, in call order.
+        Without it, every bash call starts in the workspace root (or ``cwd``) with the pool's
+        environment. A bad id, or a session used before with another workspace or view, is a
+        ValueError.
         """
         if self.state is PoolState.NEW:
             raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
@@ -390,6 +404,8 @@ class Pool:
         if self._template_lost:
             raise TemplateLost("the worker template died; open a new pool")
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
+        if session is not None:
+            check_id(session)
         mode = change_mode(changes) if changes is not None else self.changes
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
@@ -410,8 +426,14 @@ class Pool:
         )
         call.on_output = on_output
         call.changes = mode
+        run: Callable[[], Awaitable[Outcome]] = partial(self._run, call)
+        release = None
+        if session is not None:  # before the token: a refused reservation subscribes nothing
+            run, release = self._sessions.reserve(session, call, run)
         unsubscribe = token_subscription(cancel, call)
-        driver = asyncio.create_task(call.drive(self.journal, partial(self._run, call)))
+        driver = asyncio.create_task(call.drive(self.journal, run))
+        if release is not None:  # the session's next call goes once this one is journaled
+            driver.add_done_callback(lambda _: release())
         driver.set_name(call.call_id)
         self._drivers.add(driver)
         driver.add_done_callback(self._drivers.discard)
@@ -422,6 +444,19 @@ class Pool:
             self._calls.pop(call.call_id, None)
             if unsubscribe is not None:
                 unsubscribe()
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        """A shell session's state, ``{"cwd": ..., "env": {...}}``, once the calls made in it
+        so far have ended: the cwd as its calls see it (a path in the view, for a session in
+        one), the variables it exports beyond the pool's environment. A session never used
+        starts in the workspace root with none. A bad id is a ValueError."""
+        return await self._sessions.state(session_id, self.workspace)
+
+    def end_session(self, session_id: str) -> bool:
+        """Forget a session: its id's next call starts afresh (the journal keeps its history,
+        and a pool opened on it later restores the state its last call left). False if the
+        pool held no such session."""
+        return self._sessions.forget(session_id)
 
     # -- one call on this machine (its life around it: call_life) -----------------------------
 

@@ -113,6 +113,7 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
         grace_s=config.calls.grace_s,
         workspace_root=pool.workspace,
         changes_dir=call.changes_dir,
+        session_env=call.session_env,
     )
 
 

@@ -96,6 +96,27 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: Tracked mode: where no overlay can be mounted, list the workspace before and after the
     #: tool instead (workers.changes.listing) and answer with the difference.
     changes_scan: bool = False
+    #: A shell session's call (sandbx_pool.sessions): the variables the session exported so
+    #: far, applied by bash on top of ``env`` once the worker is confined (never used to build
+    #: the confinement itself), and bash reports the state it leaves (``Result.session``).
+    #: None: no session.
+    session_env: dict[str, str] | None = None
+
+
+#: Most bytes of exported variables a shell session keeps (names and values, UTF-8); a call
+#: that leaves more keeps the session's previous variables and says so (ShellState.note).
+SESSION_ENV_BYTES = 256 * 1024
+
+
+class ShellState(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a session's bash call left (workers.tools.shell_state): ``cwd`` relative to the
+    workspace (``"."``: its root), None when the shell did not say; ``env`` the variables it
+    exported beyond the pool's environment, None when not kept; ``note`` why something was
+    not kept as the shell left it."""
+
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    note: str | None = None
 
 
 #: The file a tracked call's worker makes in its ``changes_dir`` when it lists the workspace
@@ -145,6 +166,8 @@ class Result(Message, tag="result"):
     #: Tracked mode without an overlay (ExecutionContext.changes_scan): what the listings
     #: before and after the tool differ by, applied already.
     changes: list[dict[str, Any]] | None = None
+    #: A session's bash call (ExecutionContext.session_env): the state its shell left.
+    session: ShellState | None = None
 
 
 class Output(Message, tag="output"):

@@ -55,6 +55,7 @@ from sandbx_pool.workers.protocol import (
 from sandbx_pool.workers.rules import FileRules
 from sandbx_pool.workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
 from sandbx_pool.workers.tools import WORKER_ACTIONS
+from sandbx_pool.workers.tools.bash import SESSION_KEY
 
 #: Exit status of an idle worker that will never get a call: its template died, or its
 #: coordinator hung up or stopped answering.
@@ -195,7 +196,9 @@ def run_call(call: Call) -> Result:
     if call.tool == "bash" and value.get("signal") in _LIMIT_SIGNALS:
         field, name = _LIMIT_SIGNALS[value["signal"]]
         limit = name if getattr(ctx.limits, field) is not None else None
-    result = Result(call_id=ctx.call_id, status="ok", value=value, limit=limit)
+    # A session's bash call: the state its shell left travels beside the value, not in it.
+    shell = value.pop(SESSION_KEY, None) if call.tool == "bash" else None
+    result = Result(call_id=ctx.call_id, status="ok", value=value, limit=limit, session=shell)
     if len(encoder.encode(result)) > ctx.max_output_bytes + 4096:
         return Result(
             call_id=ctx.call_id,

@@ -31,7 +31,7 @@ import enum
 import math
 import os
 from collections import Counter, defaultdict
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -273,6 +273,18 @@ def may_not_repeat(tool: str) -> bool:
 def in_doubt_calls(scan: JournalScan) -> list[InDoubtCall]:
     """The calls in doubt (see ``call_ledger``), in journal order."""
     return call_ledger(scan).in_doubt
+
+
+def sessions(scan: JournalScan) -> dict[str, dict[str, Any]]:
+    """Each shell session's state as the latest outcome record carrying it left it
+    (sandbx_pool.sessions restores them), by session id."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in scan.records:
+        if isinstance(record, OutcomeRecord) and isinstance(record.session, dict):
+            session_id = record.session.get("id")
+            if isinstance(session_id, str):
+                found[session_id] = record.session
+    return found
 
 
 def interrupted(scan: JournalScan, *, include_reported: bool = True) -> list[IntentRecord]:

@@ -91,6 +91,8 @@ class IntentRecord(Record, tag="intent", frozen=True, kw_only=True):
     workspace: str | None = None
     #: The call's change mode (sandbx_pool.changes); absent: direct.
     changes: str | None = None
+    #: The shell session the call ran in (sandbx_pool.sessions); absent: none.
+    session: str | None = None
 
 
 class StartedRecord(Record, tag="started", frozen=True, kw_only=True):
@@ -120,6 +122,9 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
     node: str | None = None
     #: What the call did to the workspace (tracked, transactional): Outcome.changes.
     changes: list[dict[str, Any]] | None = None
+    #: A session's call: the session's state after it (Outcome.session), restored from the
+    #: latest such record when a pool opens the journal again.
+    session: dict[str, Any] | None = None
 
     @classmethod
     def from_outcome(cls, outcome: Outcome, *, time: float, limit: int) -> OutcomeRecord:
@@ -142,6 +147,7 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
             stuck_pid=outcome.stuck_pid,
             node=outcome.node,
             changes=outcome.changes,
+            session=outcome.session,
         )
 
 

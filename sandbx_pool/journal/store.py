@@ -83,6 +83,7 @@ class Journal:
         self._settings = settings
         self._policy = settings.policy
         self._interrupted = interrupted
+        self.sessions: dict[str, dict[str, Any]] = {}
         self._open_calls: set[str] = {record.call_id for record in self.unfinished_applies}
         self._closing: asyncio.Future[None] | None = None
         self._writer = JournalWriter(path, settings, fd=fd, lock_fd=lock_fd, dir_fd=dir_fd)
@@ -124,6 +125,8 @@ class Journal:
             unfinished_applies=journal_reader.unfinished_applies(opened.scan),
         )
         journal._log_opened(opened.scan)
+        #: Each shell session as the latest outcome record left it (sandbx_pool.sessions).
+        journal.sessions = journal_reader.sessions(opened.scan)
         if pending:
             try:
                 for record in pending:
@@ -175,6 +178,7 @@ class Journal:
         timeout_s: float | None,
         workspace: str | None = None,
         changes: str | None = None,
+        session: str | None = None,
     ) -> None:
         """Journal a call about to be dispatched; return once it is as durable as required.
 
@@ -200,6 +204,7 @@ class Journal:
                 timeout_s=timeout_s,
                 workspace=workspace,
                 changes=changes,
+                session=session,
             )
 
         if call_id in self._open_calls:

@@ -43,6 +43,11 @@ from sandbx_pool.workers.errors import OutputLimitExceeded, ToolError
 from sandbx_pool.workers.paths import resolve
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import BashArgs
+from sandbx_pool.workers.tools import shell_state
+
+#: The key of a session call's ShellState in the value run_bash returns, which the runtime
+#: takes out of it (Result.session): it is not the command's output.
+SESSION_KEY = "_session"
 
 #: Bytes asked of a pipe per read: the pipe's default capacity, so one read usually empties it.
 _READ_BYTES = 64 * 1024
@@ -143,7 +148,9 @@ def _identity(name: str, env: dict[str, str]) -> tuple[dict[str, Any], dict[str,
     return ids, switched
 
 
-def _start(args: BashArgs, ctx: ExecutionContext) -> subprocess.Popen[bytes]:
+def _start(
+    args: BashArgs, ctx: ExecutionContext
+) -> tuple[subprocess.Popen[bytes], shell_state.Capture | None]:
     # The cwd is confined like any path: a cwd that is (or passes through) a symlink leading
     # out of the workspace is refused, not silently used.
     cwd = resolve(ctx, ".")
@@ -152,21 +159,35 @@ def _start(args: BashArgs, ctx: ExecutionContext) -> subprocess.Popen[bytes]:
     env = ctx.env
     if args.user is not None:
         ids, env = _identity(args.user, env)
+    capture, moved = None, None
+    if ctx.session_env is not None:  # a shell session's call (workers.tools.shell_state)
+        cwd, moved = shell_state.start_cwd(ctx, cwd)
+        base, env = env, shell_state.session_env(ctx, env)
+        if args.argv is None:  # an argv runs no shell: nothing to report
+            capture = shell_state.Capture(ctx, base, cwd)
+            capture.notes.extend([moved] if moved else [])
+            argv = capture.argv(args.command)
     has_input = args.stdin is not None or args.stdin_bytes is not None
     try:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             argv,
             cwd=cwd,
             env=env,
             stdin=subprocess.PIPE if has_input else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT if args.merge_stderr else subprocess.PIPE,
+            pass_fds=(capture.write_fd,) if capture is not None else (),
             **ids,
         )
     except OSError as exc:
+        if capture is not None:
+            capture.close()
         if args.argv is not None and exc.filename in (None, argv[0]):
             raise _ExecFailed(exc, argv[0]) from exc
         raise ToolError(f"cannot start {argv[0]} in {cwd}: {exc.strerror or exc}") from exc
+    if capture is not None:
+        capture.started()
+    return proc, capture
 
 
 def _exit_status(returncode: int) -> tuple[int, int | None]:
@@ -177,7 +198,12 @@ def _exit_status(returncode: int) -> tuple[int, int | None]:
 
 
 def _pump(
-    proc: subprocess.Popen[bytes], output: _Output, stdin: bytes | None, *, grace_s: float
+    proc: subprocess.Popen[bytes],
+    output: _Output,
+    stdin: bytes | None,
+    *,
+    grace_s: float,
+    capture: shell_state.Capture | None = None,
 ) -> None:
     """Feed ``stdin`` and collect output until bash has exited and both pipes are at EOF.
 
@@ -195,6 +221,8 @@ def _pump(
             selector.register(pidfd, selectors.EVENT_READ, None)
             if stop is not None:
                 selector.register(stop, selectors.EVENT_READ, "stop")
+            if capture is not None:  # the session's report: never part of the output
+                selector.register(capture.read_fd, selectors.EVENT_READ, "session")
             feeder = _Feeder(proc, stdin, selector) if proc.stdin is not None else None
             while any(key.data != "stop" for key in selector.get_map().values()):
                 for key, _ in selector.select(_wait_s(sink, stop, grace_s)):
@@ -204,6 +232,12 @@ def _pump(
                     if key.data == "stdin":
                         assert feeder is not None
                         feeder.feed()
+                        continue
+                    if key.data == "session":
+                        assert capture is not None
+                        fd = capture.read_fd
+                        if not capture.read():
+                            selector.unregister(fd)
                         continue
                     if key.data is None:
                         selector.unregister(pidfd)
@@ -318,7 +352,7 @@ def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
     # command makes of them is undone once it and all it started are dead.
     guard = protected.snapshot(ctx.workspace, ctx.sandbox.protected)
     try:
-        proc = _start(args, ctx)
+        proc, capture = _start(args, ctx)
     except _ExecFailed as failed:
         message = f"{failed}\n"
         return {
@@ -332,7 +366,7 @@ def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
     output = _Output(ctx.keep_output_bytes, ctx.max_output_bytes)
     stdin = args.stdin.encode("utf-8") if args.stdin is not None else args.stdin_bytes
     try:
-        _pump(proc, output, stdin, grace_s=ctx.grace_s)
+        _pump(proc, output, stdin, grace_s=ctx.grace_s, capture=capture)
     except OutputLimitExceeded as exc:
         _stop(proc)
         value = _value(proc, output, guard.restore())
@@ -351,7 +385,12 @@ def run_bash(args: BashArgs, ctx: ExecutionContext) -> dict[str, Any]:
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None and not pipe.closed:
                 pipe.close()
-    return _value(proc, output, restored)
+        if capture is not None:
+            capture.close()
+    value = _value(proc, output, restored)
+    if capture is not None:
+        value[SESSION_KEY] = capture.state()  # the runtime moves it to Result.session
+    return value
 
 
 def _value(

@@ -1,0 +1,234 @@
+"""A shell session's state, carried from one bash call to the next (sandbx_pool.sessions).
+
+Inside the worker, for a call with ``ExecutionContext.session_env``::
+
+    Capture(ctx): a pipe; its write end is handed to bash alone (pass_fds), as fd N
+    bash -c WRAPPER bash COMMAND          env = the pool's env + the session's exports
+        WRAPPER: trap (report) EXIT; eval "$COMMAND"; report; exit with COMMAND's status
+        report:  "sbx-session-1\\0" + `pwd -P` + "\\0" + $PWD + "\\0" + `env -0` + "sbx-end\\0" >&N
+    the worker's selector reads fd N beside stdout and stderr (never into them), bounded
+    bash exited, its leftovers killed --> EOF --> Capture.state(): ShellState for Result.session
+        cwd: resolved here, confined to the workspace (outside or gone: a fallback, and a note)
+        env: what the shell exported beyond the pool's environment, reserved names left out
+
+Why a descriptor and not stdout: the report must not appear in, nor be cut by, the command's
+output (merge_stderr, keep_output_bytes, streaming); the capture's own stderr goes to
+/dev/null and xtrace is switched off before it runs. Why ``eval`` of a positional argument
+rather than a prefix to the command text: the command is parsed as it was written (its first
+line is line 1), and the wrapper's last list was parsed before the command ran, so nothing
+the command does to aliases or ``set -v`` reaches it.
+
+What the command can do to the report is no more than what it can do with ``cd`` and
+``export``: a forged report is parsed under the same bounds and the same confinement. What it
+can do to prevent one (``exec``, ``kill -9 $$``, closing fd N, replacing the EXIT trap and
+then calling ``exit``) leaves no report: the session keeps its previous state, and the note
+says so.
+
+Variables the session never carries (``RESERVED``): what the pool sets per call or for the
+confinement (TMPDIR, the call's private one; HOME, USER and LOGNAME, set for the call's user
+or a readable HOME) and what bash keeps itself (PWD, OLDPWD, SHLVL, ``_``). The session's
+exports are applied to bash's environment after the worker is confined: the confinement
+(its Landlock rules read PATH's directories and HOME) is built from the pool's environment
+only, so a session's PATH or LD_PRELOAD reaches nothing the call could not reach anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Final
+
+from sandbx_pool.workers.errors import Denied
+from sandbx_pool.workers.paths import is_within, real_workspace, resolve
+from sandbx_pool.workers.protocol import SESSION_ENV_BYTES, ExecutionContext, ShellState
+
+#: Never carried from one call to the next (see above).
+RESERVED: Final = frozenset({"TMPDIR", "HOME", "USER", "LOGNAME", "PWD", "OLDPWD", "SHLVL", "_"})
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_HEADER: Final = b"sbx-session-1\0"
+_TRAILER: Final = b"sbx-end"
+_READ_BYTES = 64 * 1024
+
+#: The script bash runs; {fd} is the report's descriptor. The command is $1 (shifted away, so
+#: that its own $1 is empty as under ``bash -c COMMAND``). Everything after ``eval`` is one
+#: list, parsed before the command runs.
+_WRAPPER: Final = """__sbx_state() {{
+  [ -z "${{__sbx_done-}}" ] || return 0
+  __sbx_done=1
+  {{ builtin printf 'sbx-session-1\\0'; builtin pwd -P; builtin printf '\\0%s\\0' "$PWD"
+    command -p env -0 && builtin printf 'sbx-end\\0'; }} >&{fd} 2>/dev/null || :
+}}
+trap '{{ set +x; __sbx_state; }} 2>/dev/null' EXIT
+__sbx_c=$1; builtin shift
+eval "$__sbx_c"; {{ __sbx_rc=$?; set +x; __sbx_state; }} 2>/dev/null; builtin exit "$__sbx_rc"
+"""
+
+
+def env_bytes(env: dict[str, str]) -> int:
+    """How much of the bound ``env`` takes: names, values, and a separator each."""
+    return sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
+
+
+def session_env(ctx: ExecutionContext, base: dict[str, str]) -> dict[str, str]:
+    """bash's environment for a session call: ``base`` (the pool's, as the confinement set
+    it), then the session's exports, reserved names left as the pool set them."""
+    carried = ctx.session_env or {}
+    return {**base, **{k: v for k, v in carried.items() if k not in RESERVED}}
+
+
+def start_cwd(ctx: ExecutionContext, cwd: str) -> tuple[str, str | None]:
+    """Where a session's call starts: its cwd, or, when another call removed that directory
+    since, the nearest one above it that still exists (and a note saying so)."""
+    if os.path.isdir(cwd):
+        return cwd, None
+    found = _existing_ancestor(ctx, cwd)
+    shown = os.path.relpath(found, real_workspace(ctx.workspace))
+    return found, f"the session's directory no longer exists: the call started in {shown}"
+
+
+def _existing_ancestor(ctx: ExecutionContext, path: str) -> str:
+    root = real_workspace(ctx.workspace)
+    while is_within(path, root) and path != root and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path if is_within(path, root) else root
+
+
+class Capture:
+    """The descriptor a session's bash reports its state on, read beside its output."""
+
+    def __init__(self, ctx: ExecutionContext, base_env: dict[str, str], cwd: str) -> None:
+        self.ctx = ctx
+        self.base_env = base_env
+        self.cwd = cwd  # where the call started (real path)
+        self.read_fd, self.write_fd = os.pipe()
+        self.data = bytearray()
+        # The whole exported environment passes through here, the pool's part included.
+        self.limit = SESSION_ENV_BYTES + env_bytes(base_env) + 2 * 4096 + 64
+        self.overflow = False
+        self.notes: list[str] = []
+
+    def argv(self, command: str) -> list[str]:
+        return ["bash", "-c", _WRAPPER.format(fd=self.write_fd), "bash", command]
+
+    def started(self) -> None:
+        """bash has its copy of the write end: ours must go, or EOF would never come."""
+        os.close(self.write_fd)
+        self.write_fd = -1
+
+    def read(self) -> bool:
+        """Take what the pipe holds; False at EOF, or once past the bound (the read end is
+        then closed: a writer gets EPIPE instead of filling our memory)."""
+        data = os.read(self.read_fd, _READ_BYTES)
+        if not data:
+            return False
+        room = self.limit - len(self.data)
+        self.data += data[: max(room, 0)]
+        if len(data) > room:
+            self.overflow = True
+            self.close()
+            return False
+        return True
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.read_fd = self.write_fd = -1
+
+    def state(self) -> ShellState:
+        """What the report says, confined and bounded (see the module's docstring)."""
+        data = bytes(self.data)
+        if not data.startswith(_HEADER):
+            note = (
+                "the shell did not report its state (exec replaced it, a signal killed it, or"
+                " its EXIT trap was replaced before it exited): the session keeps its state"
+            )
+            return ShellState(note=self._note(note))
+        fields = data[len(_HEADER) :].split(b"\0")
+        physical = fields[0].removesuffix(b"\n") if fields else b""
+        logical = fields[1] if len(fields) > 1 else b""
+        cwd = self._cwd(physical, logical)
+        env = self._env(fields[2:])
+        return ShellState(cwd=cwd, env=env, note=self._note())
+
+    def _note(self, *more: str) -> str | None:
+        notes = [*self.notes, *more]
+        return "; ".join(notes) if notes else None
+
+    def _cwd(self, physical: bytes, logical: bytes) -> str | None:
+        root = real_workspace(self.ctx.workspace)
+        if not physical:
+            # `pwd -P` failed: the directory was removed under the shell.
+            gone = os.path.realpath(os.fsdecode(logical)) if logical else self.cwd
+            found = _existing_ancestor(self.ctx, gone if is_within(gone, root) else self.cwd)
+            rel = os.path.relpath(found, root)
+            self.notes.append(f"the shell's directory was removed: the session continues in {rel}")
+            return _text(rel)
+        path = os.fsdecode(physical)
+        try:
+            real = resolve(self.ctx, path) if os.path.isabs(path) else None
+        except Denied:
+            real = None
+        if real is None or not os.path.isdir(real) or _text(os.path.relpath(real, root)) is None:
+            fallback = _existing_ancestor(self.ctx, self.cwd)
+            rel = os.path.relpath(fallback, root)
+            shown = path.encode("utf-8", "backslashreplace").decode()
+            self.notes.append(
+                f"the shell ended outside the workspace ({shown}): the session stays in {rel}"
+            )
+            return _text(rel)
+        return _text(os.path.relpath(real, root))
+
+    def _env(self, entries: list[bytes]) -> dict[str, str] | None:
+        if self.overflow:
+            self.notes.append(
+                f"its exported variables passed {SESSION_ENV_BYTES} bytes: the session keeps"
+                " the ones it had"
+            )
+            return None
+        if _TRAILER not in entries:
+            # env(1) did not run to its end: a variable too large for a program's environment
+            # (the kernel's limit, 128 KiB a string), or the report was cut.
+            self.notes.append(
+                "its exported variables could not be listed (one too large for a program's"
+                " environment?): the session keeps the ones it had"
+            )
+            return None
+        kept: dict[str, str] = {}
+        dropped: list[str] = []
+        for entry in entries[: entries.index(_TRAILER)]:
+            raw_name, sep, raw_value = entry.partition(b"=")
+            try:
+                name, value = raw_name.decode(), raw_value.decode()
+            except UnicodeDecodeError:
+                dropped.append(raw_name.decode("utf-8", "backslashreplace"))
+                continue
+            if not sep or not _NAME.match(name) or name in RESERVED:
+                continue
+            if self.base_env.get(name) != value:
+                kept[name] = value
+        if dropped:
+            self.notes.append(f"variables that are not UTF-8 are not kept: {', '.join(dropped)}")
+        size = env_bytes(kept)
+        if size > SESSION_ENV_BYTES:
+            self.notes.append(
+                f"its exported variables take {size} bytes, over {SESSION_ENV_BYTES}: the"
+                " session keeps the ones it had"
+            )
+            return None
+        return kept
+
+
+def _text(path: str) -> str | None:
+    """A path the wire can carry (UTF-8), or None."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return path
+
+
+__all__ = ["RESERVED", "Capture", "env_bytes", "session_env", "start_cwd"]
