@@ -452,6 +452,11 @@ class Pool:
         starts in the workspace root with none. A bad id is a ValueError."""
         return await self._sessions.state(session_id, self.workspace)
 
+    def has_session(self, session_id: str) -> bool:
+        """Whether the pool holds state for this session: used in it, or restored from the
+        journal (a pool opened on the journal of an earlier one)."""
+        return check_id(session_id) in self._sessions
+
     def end_session(self, session_id: str) -> bool:
         """Forget a session: its id's next call starts afresh (the journal keeps its history,
         and a pool opened on it later restores the state its last call left). False if the

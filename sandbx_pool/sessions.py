@@ -107,6 +107,9 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
     def restore(self, journaled: dict[str, dict[str, Any]]) -> None:
         """Sessions as the latest outcome records left them (Journal.sessions); a record that
         does not hold together (hand-edited, another version) is skipped."""

@@ -210,6 +210,59 @@ async def test_a_line_runs_in_its_own_workspace_under_the_root(tmp_path: Path) -
     assert statuses == {"w": Status.OK, "up": Status.DENIED}  # confined to ep-1, not the root
 
 
+def test_session_lines_are_checked_ordered_and_part_of_derived_ids(tmp_path: Path) -> None:
+    error = problems_of(
+        tmp_path, ['{"tool": "bash", "args": {"command": "true"}, "session": "a/b"}']
+    )
+    assert '"session": bad session id' in error.problems[0].message
+    lines = [
+        {"id": "a1", "tool": "bash", "args": {"command": "cd src"}, "session": "a"},
+        {"id": "b1", "tool": "bash", "args": {"command": "true"}, "session": "b"},
+        {"id": "a2", "tool": "bash", "args": {"command": "pwd"}, "session": "a"},
+        {"tool": "ls", "session": "a"},
+    ]
+    calls = load_batch(write_lines(tmp_path / "c.jsonl", lines)).calls
+    assert [(c.session, c.after) for c in calls[:3]] == [("a", ()), ("b", ()), ("a", ("a1",))]
+    assert calls[3].after == ("a2",)
+    plain = parse_batch(['{"tool": "ls"}']).calls[0]
+    assert calls[3].call_id != plain.call_id
+
+
+async def test_session_lines_run_in_file_order_across_lanes(tmp_path: Path) -> None:
+    workspace = make_workspace(tmp_path)
+    (workspace / "src").mkdir()
+    lines = [
+        {"id": f"{name}{i}", "tool": "bash", "session": name,
+         "args": {"command": f'export L="${{L-}}{i}"; echo "$L"'}}
+        for i in range(4) for name in ("a", "b")
+    ]  # fmt: skip
+    batch = load_batch(write_lines(tmp_path / "c.jsonl", lines))
+    async with Pool(workspace, config=marked_config(pool={"workers": 4})) as pool:
+        report = await run_batch(pool, batch.calls, parallel=4)
+        outputs = {spec.call_id: outcome.value["stdout"] for spec, outcome in report.results}
+        assert await pool.session("a") == {"cwd": str(workspace), "env": {"L": "0123"}}
+    assert outputs["a3"] == outputs["b3"] == "0123\n"
+
+
+def test_resume_finds_each_session_as_the_journal_left_it(tmp_path: Path) -> None:
+    workspace = make_workspace(tmp_path)
+    (workspace / "src").mkdir()
+    journal = tmp_path / "journal.jsonl"
+    config = marked_toml(tmp_path / "marked.toml")
+    first = [{"id": "1", "tool": "bash", "args": {"command": "cd src; export R=1"}, "session": "s"}]
+    second = [
+        *first,
+        {"id": "2", "tool": "bash", "args": {"command": 'pwd > ../where; echo "$R" >> ../where'},
+         "session": "s"},
+    ]  # fmt: skip
+    common = ["--workspace", str(workspace), "--journal", str(journal), "--config", str(config)]
+    path = write_lines(tmp_path / "calls.jsonl", first)
+    assert run_command(["run", str(path), *common]) == 0
+    write_lines(path, second)
+    assert run_command(["run", str(path), *common, "--resume"]) == 0
+    assert (workspace / "where").read_text() == f"{workspace / 'src'}\n1\n"
+
+
 def test_invalid_utf8_is_a_line_problem(tmp_path: Path) -> None:
     error = problems_of(tmp_path, b'{"tool": "ls"}\n{"tool": "read", "args": {"path": "\xff"}}\n')
     assert [(p.line, p.message) for p in error.problems] == [(2, "not UTF-8 (byte 36)")]

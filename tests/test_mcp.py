@@ -653,3 +653,45 @@ async def test_results_name_the_paths_a_tracked_call_changed(
     kept_text = outcome_result(kept).content[0].text  # type: ignore[union-attr]
     assert kept_text.startswith("timeout: ")
     assert kept_text.endswith("[changed, not applied to the workspace: c.txt (created)]")
+
+
+# -- shell sessions (sandbx_pool.sessions) -------------------------------------------------------
+
+
+async def test_without_session_every_bash_call_starts_afresh(
+    server: ServerSetup, workspace: Path
+) -> None:
+    async with connect(server) as (session, _):
+        await session.call_tool("bash", {"command": "cd src; export X=1"})
+        fresh = await session.call_tool("bash", {"command": 'pwd; echo "${X-unset}"'})
+    assert text_of(fresh).startswith(f"{workspace}\nunset\n")
+
+
+async def test_session_flag_keeps_cd_and_exports_across_calls(
+    server: ServerSetup, workspace: Path
+) -> None:
+    server.flags = ["--session"]
+    async with connect(server) as (session, _):
+        await session.call_tool("bash", {"command": "cd src; export X=1"})
+        kept = await session.call_tool("bash", {"command": 'pwd; echo "$X"'})
+        read = await session.call_tool("read", {"path": "a.py"})
+    assert text_of(kept).startswith(f"{workspace / 'src'}\n1\n")
+    assert not read.is_error
+    outcomes = server.outcomes()
+    assert [o["session"]["id"] for o in outcomes] == ["mcp", "mcp", "mcp"]
+    assert outcomes[-1]["session"]["cwd"] == str(workspace / "src")
+
+
+def test_a_bad_session_id_is_a_usage_error(workspace: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sandbx_pool.cli", "mcp", "--workspace", str(workspace)]
+        + ["--session", "a/b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2
+    assert "bad session id" in done.stderr

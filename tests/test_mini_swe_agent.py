@@ -282,3 +282,46 @@ def test_a_transactional_environment_keeps_a_timed_out_commands_writes_out(
         assert (workspace / "done.txt").read_text() == "done\n"
     finally:
         environment.close()
+
+
+# -- shell sessions (sandbx_pool.sessions) -------------------------------------------------------
+
+
+def test_without_a_session_each_command_starts_afresh(workspace: Path, tmp_path: Path) -> None:
+    with make_env(workspace, tmp_path, cwd=str(workspace)) as env:
+        env.execute({"command": "cd src; export X=1"})
+        assert env.execute({"command": 'pwd; echo "${X-unset}"'})["output"] == (
+            f"{workspace}\nunset\n"
+        )
+
+
+def test_a_session_keeps_cd_and_exports_and_a_new_environment_restores_it(
+    workspace: Path, tmp_path: Path
+) -> None:
+    options: dict[str, object] = {"cwd": str(workspace), "session": "episode-1"}
+    with make_env(workspace, tmp_path, **options) as env:
+        env.execute({"command": "cd src && export X=1"})
+        assert env.execute({"command": 'pwd; echo "$X"'})["output"] == f"{workspace / 'src'}\n1\n"
+        # A cwd given to execute() moves the session, as a cd would.
+        assert env.execute({"command": "pwd"}, cwd=str(workspace))["output"] == f"{workspace}\n"
+        env.execute({"command": "cd src"})
+    # Same journal, same id: the next environment goes on where this one stopped.
+    with make_env(workspace, tmp_path, **options) as again:
+        assert again.execute({"command": 'pwd; echo "$X"'})["output"] == (
+            f"{workspace / 'src'}\n1\n"
+        )
+
+
+def test_session_true_gives_each_environment_its_own(workspace: Path, tmp_path: Path) -> None:
+    with make_env(workspace, tmp_path, cwd=str(workspace), session=True) as one:
+        one.execute({"command": "export WHO=one"})
+        assert one.execute({"command": 'echo "$WHO"'})["output"] == "one\n"
+        assert one.session is not None
+    with make_env(workspace, tmp_path, cwd=str(workspace), session=True) as two:
+        assert two.session != one.session
+        assert two.execute({"command": 'echo "${WHO-none}"'})["output"] == "none\n"
+
+
+def test_a_bad_session_id_is_refused_at_construction(workspace: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="bad session id"):
+        make_env(workspace, tmp_path, session="a b")

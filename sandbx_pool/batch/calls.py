@@ -3,7 +3,7 @@
 Each non-blank line of CALLS.jsonl is a JSON object::
 
     {"tool": "read", "args": {"path": "a.txt"}, "timeout": 5, "id": "c1", "cwd": "src",
-     "after": ["c0"], "workspace": "episode-7", "changes": "transactional"}
+     "after": ["c0"], "workspace": "episode-7", "changes": "transactional", "session": "ep7"}
 
 ``tool`` is required; ``args`` defaults to ``{}``; ``timeout`` (seconds) defaults to the
 config's ``calls.timeout_s``; ``cwd`` to the workspace root. ``workspace`` names a folder under
@@ -12,7 +12,10 @@ a Ray cluster all calls of one workspace run on one node. ``meta`` is anything t
 author wants to keep with the line (an episode, a step); the runner ignores it. ``changes`` is
 the call's change mode (``direct``, ``tracked``, ``transactional``: sandbx_pool.changes; default
 ``run --changes``, else the config's); it is not part of a derived id. Any other key is
-an error, so that a typo ("timout") is not silently ignored. ``after`` lists ids of *earlier*
+an error, so that a typo ("timout") is not silently ignored. ``session`` runs the call in
+that shell session (sandbx_pool.sessions: bash keeps its cd and exports); a session's lines
+run in file order (each comes ``after`` the session's previous line), and ``--resume`` finds
+each session as the journal left it. ``after`` lists ids of *earlier*
 lines that must have finished (whatever their outcome) before this call starts: it orders a
 write before the edit of the same file, which parallel lanes would otherwise race.
 
@@ -44,6 +47,7 @@ import msgspec
 
 from sandbx_pool.config import change_mode
 from sandbx_pool.errors import SandbxPoolError
+from sandbx_pool.sessions import check_id
 from sandbx_pool.workers.schemas import TOOL_ARGS, UnknownTool, parse_args
 
 #: The keys a line may have. Anything else is a typo worth stopping for ("timout").
@@ -57,6 +61,7 @@ LINE_KEYS: Final = (
     "meta",
     "workspace",
     "changes",
+    "session",
 )
 
 #: Problems listed in a BatchFileError; a file wrong on every line needs no 20,000-line message.
@@ -80,6 +85,8 @@ class CallSpec(msgspec.Struct, frozen=True, kw_only=True):
     workspace: str | None = None
     #: The call's change mode, or None: the run's.
     changes: str | None = None
+    #: The shell session it runs in (sandbx_pool.sessions), or None.
+    session: str | None = None
 
 
 class LineProblem(msgspec.Struct, frozen=True):
@@ -110,7 +117,12 @@ class BatchFileError(SandbxPoolError):
 
 
 def canonical_json(
-    tool: str, args: Any, timeout_s: float | None, cwd: str | None, workspace: str | None = None
+    tool: str,
+    args: Any,
+    timeout_s: float | None,
+    cwd: str | None,
+    workspace: str | None = None,
+    session: str | None = None,
 ) -> str:
     """The form hashed into a derived id: sorted keys, no spaces, timeout as a float."""
     content: dict[str, Any] = {"tool": tool, "args": args, "timeout": timeout_s}
@@ -118,6 +130,8 @@ def canonical_json(
         content["cwd"] = cwd
     if workspace is not None:  # absent when not given: ids of older files stay the same
         content["workspace"] = workspace
+    if session is not None:
+        content["session"] = session
     return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -140,6 +154,8 @@ def parse_batch(lines: Iterable[bytes | str], path: str = "<calls>") -> BatchFil
     calls: list[CallSpec] = []
     seen_ids: dict[str, int] = {}
     occurrences: Counter[str] = Counter()
+    #: Each session's latest line: the next line of the session comes after it.
+    latest: dict[str, str] = {}
     for number, raw in enumerate(lines, start=1):
         try:
             spec = _parse_line(number, raw, occurrences, seen_ids)
@@ -147,6 +163,13 @@ def parse_batch(lines: Iterable[bytes | str], path: str = "<calls>") -> BatchFil
             problems.append(LineProblem(number, str(exc)))
             continue
         if spec is not None:
+            if spec.session is not None:
+                # A session's calls run in file order, whichever lane takes them (and a call
+                # after one in doubt is held, as its session's state is then unknown).
+                previous = latest.get(spec.session)
+                if previous is not None and previous not in spec.after:
+                    spec = msgspec.structs.replace(spec, after=(*spec.after, previous))
+                latest[spec.session] = spec.call_id
             seen_ids[spec.call_id] = number
             calls.append(spec)
     if problems:
@@ -189,6 +212,7 @@ def _parse_line(
         raise _BadLine(f'"cwd" must be a string, got {_json_type(cwd)}')
     after = _after(item.get("after", []), seen_ids)
     workspace = _workspace(item.get("workspace"))
+    session = _session(item.get("session"))
     changes = item.get("changes")
     if changes is not None:
         try:
@@ -198,7 +222,7 @@ def _parse_line(
     if "id" in item:
         call_id = _explicit_id(item["id"])
     else:
-        canonical = canonical_json(tool, args, timeout_s, cwd, workspace)
+        canonical = canonical_json(tool, args, timeout_s, cwd, workspace, session)
         call_id = derived_id(canonical, occurrences[canonical])
         occurrences[canonical] += 1
     if call_id in seen_ids:
@@ -213,7 +237,17 @@ def _parse_line(
         after=after,
         workspace=workspace,
         changes=changes,
+        session=session,
     )
+
+
+def _session(value: Any) -> str | None:
+    if value is None:
+        return None
+    try:
+        return check_id(value)
+    except ValueError as exc:
+        raise _BadLine(f'"session": {exc}') from None
 
 
 def _workspace(value: Any) -> str | None:

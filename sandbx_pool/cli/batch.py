@@ -150,6 +150,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config.workspace.changes != "direct" or any(spec.changes for spec in batch.calls)
     ):
         return _usage_error("run", "tracked and transactional calls need a local pool, not --ray")
+    if args.ray is not None and any(spec.session for spec in batch.calls):
+        return _usage_error("run", "shell sessions need a local pool, not --ray")
     if args.ray is not None and not _ray_installed():
         return _usage_error("run", "--ray needs Ray: pip install 'sandbx-pool[ray]'")
     if args.output_dir is not None:

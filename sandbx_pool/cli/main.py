@@ -177,7 +177,15 @@ def _cmd_mcp(args: argparse.Namespace) -> int:
         return _usage_error(
             f"mcp: the MCP SDK is not installed ({exc}); pip install 'sandbx-pool[mcp]'"
         )
-    return run(args.workspace, config, args.journal, timeout=args.timeout)
+    session = args.session
+    if session is not None:
+        from sandbx_pool.sessions import check_id
+
+        try:
+            check_id(session)
+        except ValueError as exc:
+            return _usage_error(f"mcp: --session: {exc}")
+    return run(args.workspace, config, args.journal, timeout=args.timeout, session=session)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -236,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_float,
         metavar="S",
         help="deadline of every call, in seconds (default: calls.timeout_s, else 600)",
+    )
+    mcp.add_argument(
+        "--session",
+        nargs="?",
+        const="mcp",
+        metavar="ID",
+        help="run every call in one shell session (bash keeps cd and exports; default id: mcp,"
+        " restored from --journal)",
     )
     mcp.set_defaults(func=_cmd_mcp)
 

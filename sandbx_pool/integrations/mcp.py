@@ -151,22 +151,33 @@ def error_text(outcome: Outcome) -> str:
 class ToolServer:
     """The MCP handlers over one open Pool."""
 
-    def __init__(self, pool: Pool, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, pool: Pool, timeout: float = DEFAULT_TIMEOUT_S, session: str | None = None
+    ) -> None:
         self.pool = pool
         #: Every call's deadline, in seconds.
         self.timeout = timeout
+        #: ``mcp --session``: the shell session every call of this connection runs in
+        #: (sandbx_pool.sessions): bash keeps its cd and exports, the file tools its cwd.
+        self.session = session
         #: Why calls still in flight are being stopped, once the server itself is ending.
         self.closing: str | None = None
         self._tools = [types.Tool.model_validate(d) for d in tool_definitions("mcp")]
 
     def server(self) -> Server[Any]:
+        state = (
+            " bash keeps its working directory and exported variables from one call to the"
+            " next (background jobs end with their call), and relative paths start there."
+            if self.session is not None
+            else " Every bash call starts in the workspace root with a fresh environment."
+        )
         return Server(
             "sandbx-pool",
             version=_version(),
             instructions=(
                 f"Tools for the workspace {self.pool.workspace}. Relative paths start there;"
                 " nothing outside it can be touched. Every call runs in a disposable process"
-                " that is killed, with everything it started, when the call is cancelled."
+                " that is killed, with everything it started, when the call is cancelled." + state
             ),
             on_list_tools=self.list_tools,
             on_call_tool=self.call_tool,
@@ -203,6 +214,7 @@ class ToolServer:
                 timeout=self.timeout,
                 cancel=token,
                 on_output=progress.add if progress is not None else None,
+                session=self.session,
             ),
             name=f"mcp-request-{ctx.request_id}",
         )
@@ -369,11 +381,16 @@ def _move_away(fd: int, replacement: int) -> int:
 
 
 async def serve(
-    stopper: Stopper, workspace: str, config: Config, journal: str | None, call_timeout_s: float
+    stopper: Stopper,
+    workspace: str,
+    config: Config,
+    journal: str | None,
+    call_timeout_s: float,
+    session: str | None = None,
 ) -> int:
     """Serve MCP on stdin/stdout until the client closes stdin or a signal stops us."""
     pool = stopper.watch(Pool(workspace, journal=journal, config=config))
-    tools = ToolServer(pool, call_timeout_s)
+    tools = ToolServer(pool, call_timeout_s, session)
 
     def client_left() -> None:
         tools.closing = "MCP server shutting down: the client closed stdin"
@@ -396,16 +413,22 @@ async def serve(
 
 
 def run(
-    workspace: str, config: Config, journal: str | None, *, timeout: float | None = None
+    workspace: str,
+    config: Config,
+    journal: str | None,
+    *,
+    timeout: float | None = None,
+    session: str | None = None,
 ) -> int:
     """The ``mcp`` command: 0 when the client closed stdin, 128 + N after signal N.
 
     ``timeout``: every call's deadline (default: the config's ``calls.timeout_s``, else
-    DEFAULT_TIMEOUT_S)."""
+    DEFAULT_TIMEOUT_S). ``session``: the shell session id every call runs in (``--session``;
+    None: each bash call starts afresh)."""
     deadline = timeout or config.calls.timeout_s or DEFAULT_TIMEOUT_S
     try:
         return run_until_signalled(
-            lambda stopper: serve(stopper, workspace, config, journal, deadline)
+            lambda stopper: serve(stopper, workspace, config, journal, deadline, session)
         )
     except SandbxPoolError as exc:
         logger.error("sandbx-pool mcp: {}", exc)

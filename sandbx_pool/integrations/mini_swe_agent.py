@@ -25,6 +25,11 @@ Both protocols are accepted, told apart by the action's type:
 * v1, ``execute(command: str, cwd="", *, timeout=None) -> dict``: ``output`` and
   ``returncode``; a timeout raises ``subprocess.TimeoutExpired`` (v1 agents catch it) and the
   agent, not the environment, looks for the sentinel.
+
+With ``session: true`` in the config, commands share one shell session
+(sandbx_pool.sessions): a ``cd`` or an ``export`` lasts into the next command, as in a
+terminal (background jobs still end with their command); without it each command starts in
+``cwd`` with a fresh environment.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import os
 import platform
 import subprocess
 import threading
+import uuid
 import weakref
 from typing import Any
 
@@ -44,6 +50,7 @@ from pydantic import BaseModel
 
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.pool import Pool
+from sandbx_pool.sessions import check_id
 
 #: The first line of output that means "the task is done; the rest is the submission".
 SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -66,6 +73,11 @@ class SandbxEnvironmentConfig(BaseModel):
     #: direct, tracked or transactional (sandbx_pool.changes; None: the pool config's):
     #: "transactional" keeps a timed-out or killed command's writes out of the workspace.
     changes: str | None = None
+    #: A shell session (sandbx_pool.sessions): each command starts where the previous one
+    #: left (cd, exports), as in a terminal. True: one of this environment's own; a str: that
+    #: id (restored from ``journal`` by a new environment on it). False: every command starts
+    #: in ``cwd`` with a fresh environment, as LocalEnvironment runs them.
+    session: bool | str = False
 
 
 class SandbxEnvironment:
@@ -73,6 +85,15 @@ class SandbxEnvironment:
         """Start a Pool for this environment. See ``SandbxEnvironmentConfig`` for kwargs."""
         self.config = config_class(**kwargs)
         self.workspace = os.path.abspath(self.config.workspace or self.config.cwd or os.getcwd())
+        chosen = self.config.session
+        self.session: str | None = (
+            check_id(chosen)
+            if isinstance(chosen, str)
+            else (f"mini-swe-agent-{uuid.uuid4().hex[:12]}" if chosen else None)
+        )
+        #: A new session's first command starts in ``cwd``; the next ones (and a session
+        #: restored from the journal) where it left off.
+        self._session_started = False
         self._loop = asyncio.new_event_loop()
         # A daemon, so that an environment nobody closed cannot keep the interpreter alive;
         # its workers die with us anyway (the template's parent-death signal).
@@ -102,6 +123,7 @@ class SandbxEnvironment:
         self._dropped.atexit = False
         try:
             self._run(self.pool.start())
+            self._session_started = self.session is not None and self.pool.has_session(self.session)
         except BaseException:
             with contextlib.suppress(Exception):  # the start's failure is the one to report
                 self.close()
@@ -162,7 +184,14 @@ class SandbxEnvironment:
         # Merged, as LocalEnvironment runs commands (stderr=STDOUT): one output, in order.
         args: dict[str, Any] = {"command": command, "merge_stderr": True}
         env = (dict(os.environ) | self.config.env) if self.config.pass_env else self.config.env
-        call = self.pool.call("bash", args, timeout=seconds, cwd=self._cwd(cwd), env=env or None)
+        where = self._cwd(cwd)
+        if self.session is not None:
+            # Only a cwd given to this execute() moves a session that has started.
+            where = where if not self._session_started or cwd else None
+            self._session_started = True
+        call = self.pool.call(
+            "bash", args, timeout=seconds, cwd=where, env=env or None, session=self.session
+        )
         return self._run(call), seconds
 
     def _cwd(self, cwd: str) -> str | None:
