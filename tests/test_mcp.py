@@ -682,10 +682,12 @@ async def test_session_flag_keeps_cd_and_exports_across_calls(
     assert outcomes[-1]["session"]["cwd"] == str(workspace / "src")
 
 
+MCP_COMMAND = (sys.executable, "-m", "sandbx_pool.cli", "mcp")
+
+
 def test_a_bad_session_id_is_a_usage_error(workspace: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", "mcp", "--workspace", str(workspace)]
-        + ["--session", "a/b"],
+        [*MCP_COMMAND, "--workspace", str(workspace), "--session", "a/b"],
         capture_output=True,
         text=True,
         timeout=60,
