@@ -163,13 +163,14 @@ def parse_batch(lines: Iterable[bytes | str], path: str = "<calls>") -> BatchFil
             problems.append(LineProblem(number, str(exc)))
             continue
         if spec is not None:
-            if spec.session is not None:
+            session = spec.session
+            if session is not None:
                 # A session's calls run in file order, whichever lane takes them (and a call
                 # after one in doubt is held, as its session's state is then unknown).
-                previous = latest.get(spec.session)
+                previous = latest.get(session)
                 if previous is not None and previous not in spec.after:
                     spec = msgspec.structs.replace(spec, after=(*spec.after, previous))
-                latest[spec.session] = spec.call_id
+                latest[session] = spec.call_id
             seen_ids[spec.call_id] = number
             calls.append(spec)
     if problems:
