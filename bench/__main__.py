@@ -22,6 +22,7 @@ SECTIONS = (
     "cluster",
     "oneshot",
     "changes",
+    "sessions",
 )
 
 
@@ -36,6 +37,7 @@ class Counts:
     cluster_calls: int = 800
     oneshot_runs: int = 20
     changes_calls: int = 300
+    sessions_calls: int = 400
 
 
 QUICK = Counts(
@@ -48,6 +50,7 @@ QUICK = Counts(
     cluster_calls=80,
     oneshot_runs=6,
     changes_calls=60,
+    sessions_calls=60,
 )
 
 
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         oneshot,
         report,
         search,
+        sessions,
         soak,
         streaming,
         throughput,
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.oneshot = oneshot.run(ws, runs=counts.oneshot_runs)
                 elif section == "changes":
                     result.changes = changes.run(ws, calls=counts.changes_calls)
+                elif section == "sessions":
+                    result.sessions = sessions.run(ws, calls=counts.sessions_calls)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

@@ -26,6 +26,8 @@ from bench.latency import LatencyResult
 from bench.oneshot import RATIO_BAR, OneShotResult
 from bench.procs import Leftovers
 from bench.search import SearchResult
+from bench.sessions import COMMAND as SESSION_COMMAND
+from bench.sessions import SessionsResult
 from bench.soak import KINDS, SoakResult
 from bench.streaming import IDLE_GAP_S, StreamingResult
 from bench.throughput import ConnectionCost, ThroughputResult
@@ -50,6 +52,7 @@ class Report:
     cluster: ClusterResult | None = None
     oneshot: OneShotResult | None = None
     changes: ChangesResult | None = None
+    sessions: SessionsResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -520,6 +523,22 @@ def _streaming(result: StreamingResult) -> str:
     )
 
 
+def _sessions(result: SessionsResult) -> str:
+    named = (("bash, no session", result.plain), ("bash, in a session", result.session))
+    rows = [
+        (name, str(samples.count), ms(samples.percentile_ms(50)), ms(samples.percentile_ms(95)))
+        for name, samples in named
+    ]
+    p50, p95 = result.overhead_ms
+    return (
+        f"## Sessions: `{SESSION_COMMAND}` with and without a shell session\n\n"
+        + table(("row", "calls", "p50", "p95"), rows, "lrrr")
+        + f"\n\nA session costs {p50:+.2f} ms at p50 and {p95:+.2f} ms at p95: the wrapper,"
+        " `env -0` at the shell's exit, the report read and confined in the worker, the state"
+        " settled and journaled."
+    )
+
+
 def _cluster(result: ClusterResult) -> str:
     rows = [
         (
@@ -617,6 +636,8 @@ def render(report: Report) -> str:
         parts.append(_oneshot(report.oneshot))
     if report.changes is not None:
         parts.append(_changes(report.changes))
+    if report.sessions is not None:
+        parts.append(_sessions(report.sessions))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))
