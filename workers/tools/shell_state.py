@@ -5,7 +5,8 @@ Inside the worker, for a call with ``ExecutionContext.session_env``::
     Capture(ctx): a pipe; its write end is handed to bash alone (pass_fds), as fd N
     bash -c WRAPPER bash COMMAND          env = the pool's env + the session's exports
         WRAPPER: trap (report) EXIT; eval "$COMMAND"; report; exit with COMMAND's status
-        report:  "sbx-session-1\\0" + `pwd -P` + "\\0" + $PWD + "\\0" + `env -0` + "sbx-end\\0" >&N
+        report:  "sbx-session-1\\0" `pwd -P` "\\0" $PWD "\\0" NAME=VALUE\\0 ... "sbx-end\\0" >&N
+                 (each exported variable, listed by builtins: no program runs)
     the worker's selector reads fd N beside stdout and stderr (never into them), bounded
     bash exited, its leftovers killed --> EOF --> Capture.state(): ShellState for Result.session
         cwd: resolved here, confined to the workspace (outside or gone: a fallback, and a note)
@@ -57,13 +58,30 @@ _READ_BYTES = 64 * 1024
 _WRAPPER: Final = """__sbx_state() {{
   [ -z "${{__sbx_done-}}" ] || return 0
   __sbx_done=1
+  local - IFS=$' \\t\\n' __sbx_n
+  set +eux
   {{ builtin printf 'sbx-session-1\\0'; builtin pwd -P; builtin printf '\\0%s\\0' "$PWD"
-    command -p env -0 && builtin printf 'sbx-end\\0'; }} >&{fd} 2>/dev/null || :
+    for __sbx_n in {names}; do
+      case ${{!__sbx_n@a}} in *x*) [ -n "${{!__sbx_n+set}}" ] &&
+        builtin printf '%s=%s\\0' "$__sbx_n" "${{!__sbx_n}}";; esac
+    done
+    builtin printf 'sbx-end\\0'; }} >&{fd} 2>/dev/null || :
 }}
 trap '{{ set +x; __sbx_state; }} 2>/dev/null' EXIT
 __sbx_c=$1; builtin shift
 eval "$__sbx_c"; {{ __sbx_rc=$?; set +x; __sbx_state; }} 2>/dev/null; builtin exit "$__sbx_rc"
 """
+
+#: Every variable name the shell holds, by first letter (``${!A*}``...): with ``${!n@a}``
+#: (its attributes) the exported ones are listed by builtins alone, with no fork and exec of
+#: env(1) on every call's clock, and whatever their size (exec refuses a string over 128 KiB).
+_NAMES: Final = " ".join(
+    f"${{!{c}*}}" for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_"
+)
+
+#: The kernel's bound on one string of a program's environment (MAX_ARG_STRLEN, NAME=VALUE and
+#: its NUL): a variable past it would make every later call's exec of bash fail (E2BIG).
+_MAX_VARIABLE_BYTES: Final = 32 * 4096
 
 
 def env_bytes(env: dict[str, str]) -> int:
@@ -110,7 +128,7 @@ class Capture:
         self.notes: list[str] = []
 
     def argv(self, command: str) -> list[str]:
-        return ["bash", "-c", _WRAPPER.format(fd=self.write_fd), "bash", command]
+        return ["bash", "-c", _WRAPPER.format(fd=self.write_fd, names=_NAMES), "bash", command]
 
     def started(self) -> None:
         """bash has its copy of the write end: ours must go, or EOF would never come."""
@@ -190,15 +208,14 @@ class Capture:
             )
             return None
         if _TRAILER not in entries:
-            # env(1) did not run to its end: a variable too large for a program's environment
-            # (the kernel's limit, 128 KiB a string), or the report was cut.
             self.notes.append(
-                "its exported variables could not be listed (one too large for a program's"
-                " environment?): the session keeps the ones it had"
+                "its report of the exported variables was cut short: the session keeps the"
+                " ones it had"
             )
             return None
         kept: dict[str, str] = {}
         dropped: list[str] = []
+        too_large: list[str] = []
         for entry in entries[: entries.index(_TRAILER)]:
             raw_name, sep, raw_value = entry.partition(b"=")
             try:
@@ -208,10 +225,17 @@ class Capture:
                 continue
             if not sep or not _NAME.match(name) or name in RESERVED:
                 continue
-            if self.base_env.get(name) != value:
+            if len(entry) + 1 > _MAX_VARIABLE_BYTES:
+                too_large.append(name)
+            elif self.base_env.get(name) != value:
                 kept[name] = value
         if dropped:
             self.notes.append(f"variables that are not UTF-8 are not kept: {', '.join(dropped)}")
+        if too_large:
+            self.notes.append(
+                f"variables too large for a program's environment ({_MAX_VARIABLE_BYTES} bytes)"
+                f" are not kept: {', '.join(too_large)}"
+            )
         size = env_bytes(kept)
         if size > SESSION_ENV_BYTES:
             self.notes.append(
