@@ -534,7 +534,7 @@ def _sessions(result: SessionsResult) -> str:
         f"## Sessions: `{SESSION_COMMAND}` with and without a shell session\n\n"
         + table(("row", "calls", "p50", "p95"), rows, "lrrr")
         + f"\n\nA session costs {p50:+.2f} ms at p50 and {p95:+.2f} ms at p95: the wrapper,"
-        " `env -0` at the shell's exit, the report read and confined in the worker, the state"
+        " the report of its exports at the shell's exit, read and confined in the worker, the state"
         " settled and journaled."
     )
 

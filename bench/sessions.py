@@ -3,8 +3,9 @@
 Two rows, measured in alternating rounds on one pool so that a shared machine's noise falls on
 both alike: a plain bash call (no session: the wrapper, the report's pipe and its parsing are
 not there) and the same command in a session that carries a cwd and a few exports (the
-wrapper, ``env -0`` run at the shell's exit, the report read and confined in the worker, the
-state settled in the coordinator). The difference is the per-call overhead of a session.
+wrapper, its exports listed by builtins at the shell's exit, the report read and confined in
+the worker, the state settled in the coordinator and journaled). The difference is the
+per-call overhead of a session.
 """
 
 from __future__ import annotations
