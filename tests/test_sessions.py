@@ -429,3 +429,30 @@ async def test_in_a_view_the_cwd_is_the_views(tmp_path: Path) -> None:
         nxt = await pool.call("bash", {"command": 'pwd; echo "$IN"'}, view=view, session="v")
         assert _stdout(nxt) == "/work/sub\nview\n"
         os.rmdir(root / "work" / "sub")
+
+
+# -- the report's parser, against bash itself ------------------------------------------------------
+
+
+def test_declare_px_is_read_back_byte_for_byte() -> None:
+    import random
+    import subprocess
+
+    from sandbx_pool.workers.tools.shell_state import parse_declare
+
+    rng = random.Random(32)
+    values = [bytes(rng.randrange(1, 256) for _ in range(rng.randrange(0, 40))) for _ in range(300)]
+    values += [b"\\", b"'", b'"', b"$'x'", b"\\n", b"=", b"a\nb", "héllo".encode()]
+    env = {f"V{i}".encode(): value for i, value in enumerate(values)}
+    for locale in ("C", "C.UTF-8"):
+        printed = subprocess.run(
+            ["bash", "-c", "declare -px"],
+            env={**env, b"LC_ALL": locale.encode()},
+            capture_output=True,
+            check=True,
+        ).stdout
+        parsed = parse_declare(printed)
+        assert parsed is not None
+        assert {k: v for k, v in parsed if k.startswith(b"V")} == env
+    assert parse_declare(b"declare -x A=oops\n") is None
+    assert parse_declare(b'declare -x A="unterminated\n') is None
