@@ -164,6 +164,11 @@ async def test_reserved_variables_are_never_carried(pool: Pool, workspace: Path)
         "export HOME=/ TMPDIR=/ USER=x LOGNAME=x PWD=/ OLDPWD=/ SHLVL=9 KEPT=1",
     )
     assert out.session["env"] == {"KEPT": "1"}
+    # Options that would trace the next call's wrapper into its output are not carried either.
+    traced = await _bash(pool, "set -x; export SHELLOPTS BASHOPTS BASH_ENV=/dev/null ENV=x")
+    assert "SHELLOPTS" not in traced.session["env"]
+    assert "BASH_ENV" not in traced.session["env"]
+    assert (await _bash(pool, "echo quiet")).value["stderr"] == ""
     home, tmpdir = _stdout(await _bash(pool, 'echo "$HOME|$TMPDIR"')).strip().split("|")
     assert "/" not in (home, tmpdir)
     assert before != "/|/"
@@ -315,6 +320,14 @@ async def test_killed_calls_do_not_change_the_session(pool: Pool, workspace: Pat
 # -- concurrency ---------------------------------------------------------------------------------
 
 
+async def test_session_state_waits_for_the_calls_in_flight(pool: Pool) -> None:
+    running = asyncio.create_task(_bash(pool, "sleep 0.2; export LATE=1"))
+    await asyncio.sleep(0)  # one turn of the loop: pool.call reserves before its first await
+    assert pool.has_session("s")
+    assert (await pool.session("s"))["env"] == {"LATE": "1"}
+    assert (await running).status is Status.OK
+
+
 async def test_concurrent_calls_of_one_session_run_in_call_order(pool: Pool) -> None:
     await _bash(pool, "export N=")
     outs = await asyncio.gather(
@@ -339,12 +352,22 @@ async def test_a_call_cancelled_while_waiting_its_turn_never_starts(pool: Pool) 
     await asyncio.wait_for(started.wait(), 20)
     waiting_token = CancelToken()
     waiting = asyncio.create_task(
-        pool.call("bash", {"command": "export W=1"}, session="s", cancel=waiting_token)
+        pool.call("bash", {"command": "export W=1"}, session="s", cancel=waiting_token, call_id="w")
     )
-    await asyncio.sleep(0)  # let it reserve its turn and wait
+    # Until its intent is on disk: from there its driver waits for the session's turn.
+    assert pool.journal is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while not any(r["call_id"] == "w" for r in journal_records(pool.journal.path)):
+        assert loop.time() < deadline, "the waiting call's intent never came"
+        await pool.journal.flush()
+    for _ in range(3):
+        await asyncio.sleep(0)
     waiting_token.cancel("not wanted")
     waited = await waiting
     assert (waited.status, waited.started) == (Status.CANCELLED, False)
+    assert waited.session is not None  # ended in its turn's wait, the session untouched
+    assert waited.session["updated"] is False
     token.cancel()
     await first
     assert (await pool.session("s"))["env"] == {}

@@ -27,7 +27,9 @@ says so.
 
 Variables the session never carries (``RESERVED``): what the pool sets per call or for the
 confinement (TMPDIR, the call's private one; HOME, USER and LOGNAME, set for the call's user
-or a readable HOME) and what bash keeps itself (PWD, OLDPWD, SHLVL, ``_``). The session's
+or a readable HOME), what bash keeps itself (PWD, OLDPWD, SHLVL, ``_``), and what would act on
+the next call's bash before its wrapper does (BASH_ENV, ENV, SHELLOPTS, BASHOPTS,
+BASH_XTRACEFD). The session's
 exports are applied to bash's environment after the worker is confined: the confinement
 (its Landlock rules read PATH's directories and HOME) is built from the pool's environment
 only, so a session's PATH or LD_PRELOAD reaches nothing the call could not reach anyway.
@@ -45,7 +47,12 @@ from sandbx_pool.workers.paths import is_within, real_workspace, resolve
 from sandbx_pool.workers.protocol import SESSION_ENV_BYTES, ExecutionContext, ShellState
 
 #: Never carried from one call to the next (see above).
-RESERVED: Final = frozenset({"TMPDIR", "HOME", "USER", "LOGNAME", "PWD", "OLDPWD", "SHLVL", "_"})
+RESERVED: Final = frozenset(
+    {"TMPDIR", "HOME", "USER", "LOGNAME", "PWD", "OLDPWD", "SHLVL", "_"}
+    # What would run code or switch options in the next call's bash before its wrapper (a
+    # startup file, xtrace printing the wrapper's own lines into the command's output).
+    | {"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "BASH_XTRACEFD"}
+)
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _HEADER: Final = b"sbx-session-1\0"
