@@ -62,6 +62,8 @@ class CallLife:
         self.reason: str | None = None
         #: The call's change mode (sandbx_pool.changes), journaled with its intent.
         self.changes = ChangeMode.DIRECT
+        #: The layer the call runs in (sandbx_pool.layers), journaled with its intent.
+        self.layer_name: str | None = None
 
     def request_kill(self, killer: KilledBy, reason: str | None = None) -> None:
         """Ask for the call's kill. The first killer wins and is recorded here, before any
@@ -136,6 +138,7 @@ class CallLife:
                 timeout_s=self.timeout_s,
                 workspace=self.journaled_workspace(),
                 changes=None if self.changes is ChangeMode.DIRECT else str(self.changes),
+                layer=self.layer_name,
             )
         except JournalWriteError as exc:
             # Fail closed: a side effect never starts without its durable intent. A read-only

@@ -60,7 +60,13 @@ from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.changes import ChangeSets, refuse_without_store, store_dir
 from sandbx_pool.config import ChangeMode, Config, JournalPolicy, change_mode, load_config
-from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
+from sandbx_pool.errors import (
+    LayerUnavailable,
+    PoolClosed,
+    PoolNotStarted,
+    TemplateLost,
+    WorkersFailToStart,
+)
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
@@ -68,6 +74,7 @@ from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
 from sandbx_pool.journal.records import IntentRecord
 from sandbx_pool.journal.store import Journal
+from sandbx_pool.layers import Layer, Layers, is_within
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputCallback
@@ -166,6 +173,7 @@ class Pool:
         self._remains = Remains()
         self._remains.workers = self._workers.by_token
         self._change_sets: ChangeSets | None = None
+        self._layers: Layers | None = None
         self._finalizer = weakref.finalize(self, release, self._remains)
 
     def __repr__(self) -> str:
@@ -202,6 +210,9 @@ class Pool:
                 self.config.sandbox.for_workers(tmp_root=self._tmp_root, hidden=hidden),
                 lock_dir=self._lock_dir,
             )
+            store = self.config.workspace.layers_dir()
+            if os.path.isdir(store):  # noqa: ASYNC240 (the pool's own directory, as J.d is)
+                self._hide(store)  # from the first call on, made by an earlier pool
             journal_path = self._journal_path or self._fresh_default_journal()
             if self.config.journal.policy is not JournalPolicy.OFF or self._journal_path:
                 self.journal = await Journal.open(journal_path, self.config.journal)
@@ -260,6 +271,13 @@ class Pool:
         assert self._sandbox is not None
         journal_file = os.path.realpath(path)
         hidden = (*self._sandbox.hidden, journal_file, journal_file + LOCK_SUFFIX)
+        self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
+
+    def _hide(self, directory: str) -> None:
+        """The pool's own directory out of every call's reach (the journal's J.d, the layer
+        store): bash's mount namespace covers it, the file tools refuse it."""
+        assert self._sandbox is not None
+        hidden = (*self._sandbox.hidden, os.path.realpath(directory))
         self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
 
     def _fresh_default_journal(self) -> str:
@@ -338,6 +356,8 @@ class Pool:
         if self._template is not None:
             await self._template.close()
         self._inbox.close()
+        if self._layers is not None:
+            self._layers.close()
         if self.journal is not None:
             await self.journal.close()
         for worker in self._workers.by_token.values():
@@ -361,7 +381,7 @@ class Pool:
         call_id: str | None = None,
         on_output: OutputCallback | None = None,
         view: str | None = None,
-        workspace: str | None = None,
+        workspace: str | Layer | None = None,
         changes: str | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
@@ -391,6 +411,9 @@ class Pool:
             raise TemplateLost("the worker template died; open a new pool")
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
         mode = change_mode(changes) if changes is not None else self.changes
+        layer = await self._layer_of(workspace, changes)
+        if layer is not None:
+            workspace, mode = layer.path, ChangeMode.DIRECT
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
@@ -410,6 +433,9 @@ class Pool:
         )
         call.on_output = on_output
         call.changes = mode
+        if layer is not None:
+            call.layer, call.layer_name = layer, layer.name
+            call.layer_dir, call.layer_base = layer.directory, layer.base
         unsubscribe = token_subscription(cancel, call)
         driver = asyncio.create_task(call.drive(self.journal, partial(self._run, call)))
         driver.set_name(call.call_id)
@@ -426,6 +452,17 @@ class Pool:
     # -- one call on this machine (its life around it: call_life) -----------------------------
 
     async def _run(self, call: CallState) -> Outcome:
+        if call.layer is None:
+            return await self._run_here(call)
+        # One call at a time in a layer, once the previous call's worker is gone (layers.py).
+        if not await call.layer.turn(call):
+            return call.killed_outcome()
+        try:
+            return await self._run_here(call)
+        finally:
+            call.layer.leave(call)
+
+    async def _run_here(self, call: CallState) -> Outcome:
         # Checks that need no process, in order: nothing is forked for a refused call.
         if call.killer is not None:
             return call.killed_outcome()
@@ -455,6 +492,75 @@ class Pool:
         if call.changes_dir is not None:
             return await self._settle_changes(call, outcome)
         return msgspec.structs.replace(outcome, changes=[]) if tracked else outcome
+
+    # -- layers (sandbx_pool.layers) ------------------------------------------------------------
+
+    async def layer(self, name: str, base: str | os.PathLike[str] | None = None) -> Layer:
+        """The layer ``name`` of the pool's layer store (``[workspace] layers``): made over
+        ``base`` (a directory, never written: every call in the layer sees it plus the layer's
+        own changes), or, without ``base``, opened as a pool made it before. ValueError for a
+        name that is not plain, a base that is not a directory, lies in the store (or holds
+        it) or is not the one recorded; LayerUnavailable where no overlay mounts."""
+        if self.state is not PoolState.OPEN:
+            raise PoolClosed("the pool is not open")
+        if not self.views:
+            raise LayerUnavailable(
+                "layers need a mount namespace per call (root with CAP_SYS_ADMIN, or user"
+                f" namespaces allowed); this pool's workers have none ({self._containment()}):"
+                " see sandbx-pool doctor"
+            )
+        return await self._layer_set().open(name, os.fspath(base) if base is not None else None)
+
+    def _containment(self) -> str:
+        return self._template.containment if self._template is not None else "not started"
+
+    def _layer_set(self) -> Layers:
+        if self._layers is None:
+            store = self.config.workspace.layers_dir()
+            shared = bool(self.config.sandbox.run_as)
+            self._layers = Layers(store, self._layer_action, shared=shared)
+            self._hide(self._layers.store)
+        return self._layers
+
+    async def _layer_action(
+        self,
+        call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        workspace: str,
+        layer: tuple[str, str] | None,
+        read_only: tuple[str, ...],
+    ) -> Outcome:
+        return await self._internal(call_id, tool, args, workspace, layer, read_only)
+
+    async def _layer_of(self, workspace: object, changes: str | None) -> Layer | None:
+        """The layer a call's ``workspace`` names (a Layer, or a layer's root path), or None."""
+        if isinstance(workspace, Layer):
+            if self._layers is None or self._layers.layers.get(workspace.name) is not workspace:
+                raise ValueError(f"{workspace!r} is not a layer this pool has open")
+            layer: Layer | None = workspace
+        elif isinstance(workspace, str) and os.path.isabs(workspace):
+            # Lexical: the store as configured, or as resolved (a layer's ``path``).
+            path = _normalised(workspace)
+            configured = os.path.abspath(self.config.workspace.layers_dir())  # noqa: ASYNC240
+            if is_within(path, configured):
+                path = self._layer_set().store + path[len(configured) :]
+            elif self._layers is None or not is_within(path, self._layers.store):
+                return None
+            name = self._layer_set().name_of(path)
+            layer = await self.layer(name) if name is not None else None
+        else:
+            return None
+        if (
+            layer is not None
+            and changes is not None
+            and change_mode(changes) is not ChangeMode.DIRECT
+        ):
+            raise ValueError(
+                f"changes={changes!r} in layer {layer.name!r}: a layer keeps its changes apart"
+                " already (Layer.diff lists them, Layer.reset drops them)"
+            )
+        return layer
 
     # -- change sets (sandbx_pool.changes) ----------------------------------------------------
 
@@ -524,19 +630,27 @@ class Pool:
         )
 
     async def _internal(
-        self, call_id: str, tool: str, args: dict[str, Any], workspace: str
+        self,
+        call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        workspace: str,
+        layer: tuple[str, str] | None = None,
+        read_only: tuple[str, ...] | None = None,
     ) -> Outcome:
         """Run one of the coordinator's own actions on a worker confined to ``workspace``,
-        the change sets' directory writable besides."""
+        the change sets' directory writable besides; or, for a layer's (``layer``: its
+        directory and base, mounted; ``read_only``: paths readable besides), nothing more."""
         call = CallState(call_id, tool, args, None, workspace=workspace)
+        if layer is not None:
+            call.layer_dir, call.layer_base = layer
         context = preflight.call_context(call, workspace, self._side())
-        store = self._changes_store()
         box = context.sandbox
-        call.context = msgspec.structs.replace(
-            context,
-            workspace=workspace,
-            sandbox=msgspec.structs.replace(box, writable=(*box.writable, store.root)),
-        )
+        if read_only is None:
+            box = msgspec.structs.replace(box, writable=(*box.writable, self._changes_store().root))
+        else:
+            box = msgspec.structs.replace(box, read_only=(*box.read_only, *read_only))
+        call.context = msgspec.structs.replace(context, workspace=workspace, sandbox=box)
         try:
             payload = encode_call(call)
             worker = await self._acquire(call)

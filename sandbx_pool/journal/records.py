@@ -91,6 +91,8 @@ class IntentRecord(Record, tag="intent", frozen=True, kw_only=True):
     workspace: str | None = None
     #: The call's change mode (sandbx_pool.changes); absent: direct.
     changes: str | None = None
+    #: The layer the call ran in (sandbx_pool.layers; ``workspace`` is its root); absent: none.
+    layer: str | None = None
 
 
 class StartedRecord(Record, tag="started", frozen=True, kw_only=True):
