@@ -30,8 +30,9 @@ A call in a layer (``enter_layer``; sandbx_pool.layers) is the same overlay made
     mounted on <store>/<name>/root, an empty directory on the host: the call's workspace
     then the base bound onto itself read-only, in this namespace: with or without Landlock
     (``filesystem = "host"``), by its own path or /proc/self/root, nothing reaches it writable;
-    and the layer's upper and work covered by an empty read-only tmpfs (the overlay holds
-    them already): the call cannot reach under the overlay's feet
+    and the whole store covered by an empty read-only tmpfs that holds only this layer's root,
+    the overlay bound there again: no upper or work directory (its own, under the overlay's
+    feet, or another layer's) is in the call's reach
 
 The coordinator lets one call at a time mount a layer (two live overlays on one upper
 directory are undefined in the kernel), and only once the previous call's worker is gone.
@@ -114,6 +115,29 @@ def _open_base(base: str) -> int:
     return fd
 
 
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _cover_store(layer_dir: str, root: str) -> None:
+    """Cover the whole layer store with an empty read-only tmpfs holding only this layer's
+    root, the overlay bound there again: the call reaches no upper or work directory (its
+    own, under the overlay's feet, nor another layer's) and no record, with or without the
+    filesystem rules."""
+    store = os.path.dirname(layer_dir)
+    name = os.path.basename(layer_dir)
+    held = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
+        _libc.mount("sandbx-layers", store, "tmpfs", flags, "size=4k,mode=0755")
+        os.mkdir(os.path.join(store, name), 0o755)
+        os.mkdir(os.path.join(store, name, "root"), 0o755)
+        _libc.mount(f"/proc/self/fd/{held}", root, None, _libc.MS_BIND, None)
+    finally:
+        os.close(held)
+    _libc.set_read_only(store, recursive=False)
+
+
 def enter_layer(ctx: ExecutionContext, *, resolve: bool = False) -> str:
     """Mount the call's layer on its workspace, in a mount namespace of this worker's own (see
     above); the base's real path. ``resolve``: the base as the caller named it (making a
@@ -123,6 +147,12 @@ def enter_layer(ctx: ExecutionContext, *, resolve: bool = False) -> str:
     base = os.path.realpath(ctx.layer_base) if resolve else ctx.layer_base
     if not os.path.isdir(base):
         raise LayerBaseError(f"the layer's base {ctx.layer_base} is not a directory")
+    store = os.path.dirname(ctx.layer_dir)
+    if _within(base, store) or _within(store, base):
+        raise LayerBaseError(
+            f"a layer's base must not lie inside the layer store {store}, nor the store"
+            f" inside it: {base}"
+        )
     root = ctx.workspace
     upper = os.path.join(ctx.layer_dir, "upper")
     work = os.path.join(ctx.layer_dir, "work")
@@ -152,9 +182,7 @@ def enter_layer(ctx: ExecutionContext, *, resolve: bool = False) -> str:
             _libc.mount("sandbx-layer", root, "overlay", 0, options)
             _libc.mount(lower, lower, None, _libc.MS_BIND | _libc.MS_REC, None)
             _libc.set_read_only(base, recursive=True)
-            flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC | _libc.MS_RDONLY
-            for covered in (upper, work):
-                _libc.mount("sandbx-hidden", covered, "tmpfs", flags, "size=4k,mode=000")
+            _cover_store(ctx.layer_dir, root)
         except OSError as exc:
             raise OverlayError(
                 f"cannot mount the layer on {root}: {exc}", code=LAYER_UNAVAILABLE
