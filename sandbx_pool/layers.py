@@ -72,10 +72,12 @@ class Layer:
         self._lock_fd: int | None = lock_fd
         self._turn = asyncio.Lock()
         self._ids = 0
+        #: Calls waiting for their turn (one call at a time in a layer).
+        self.waiting = 0
 
     def __repr__(self) -> str:
         state = "removed" if self._lock_fd is None else ("busy" if self._turn.locked() else "idle")
-        return f"<Layer {self.name!r} over {self.base} [{state}]>"
+        return f"<Layer {self.name!r} over {self.base} [{state} | {self.waiting} waiting]>"
 
     def __fspath__(self) -> str:
         return self.path
@@ -95,7 +97,12 @@ class Layer:
         killed meanwhile (it then holds nothing)."""
         self._check_open()
         acquire = asyncio.ensure_future(self._turn.acquire())
-        await asyncio.wait({acquire, call.kill_requested}, return_when=asyncio.FIRST_COMPLETED)
+        self.waiting += 1
+        try:
+            either: set[asyncio.Future[Any]] = {acquire, call.kill_requested}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.waiting -= 1
         if acquire.done() and call.killer is None:
             return True
         if acquire.done():

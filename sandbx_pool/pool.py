@@ -512,7 +512,8 @@ class Pool:
         return await self._layer_set().open(name, os.fspath(base) if base is not None else None)
 
     def _containment(self) -> str:
-        return self._template.containment if self._template is not None else "not started"
+        template = self._template
+        return (template.containment if template is not None else None) or "not started"
 
     def _layer_set(self) -> Layers:
         if self._layers is None:

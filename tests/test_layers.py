@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from conftest import marked_config
-from helpers import journal_records
+from helpers import journal_records, wait_until
 
 from sandbx_pool import Config, Layer, Pool, Status
 
@@ -169,14 +169,16 @@ async def test_layers_outlive_the_pool_and_keep_their_base(tmp_path: Path) -> No
         assert reopened.path == path
         assert await _read(pool, path, "kept.txt") == "kept\n"
         assert await pool.layer("kept", base=base) is reopened
-        with pytest.raises(ValueError, match="not .*other"):
+        with pytest.raises(ValueError, match=r"not .*other"):
             await pool.layer("kept", base=other)
         with pytest.raises(ValueError, match="no layer 'never'"):
             await pool.layer("never")
-        with pytest.raises(ValueError, match="tracked.*a layer keeps its changes apart"):
+        with pytest.raises(ValueError, match=r"tracked.*a layer keeps its changes apart"):
             await pool.call("ls", {}, workspace=reopened, changes="tracked")
     intents = [r for r in journal_records(journal) if r["kind"] == "intent"]
-    assert intents and all(r["layer"] == "kept" and r["workspace"] == path for r in intents)
+    assert intents
+    assert all(r["layer"] == "kept" for r in intents)
+    assert all(r["workspace"] == path for r in intents)
 
 
 async def test_a_layer_is_open_in_one_pool_at_a_time(tmp_path: Path) -> None:
@@ -264,15 +266,14 @@ async def test_a_cancelled_call_waiting_for_its_turn_takes_none(tmp_path: Path) 
         first = asyncio.create_task(
             pool.call("bash", {"command": f"cat {fifo} > got"}, workspace=ws)
         )
-        while not pool.running():
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: bool(pool.running()), what="the first call running")
         second = asyncio.create_task(pool.call("bash", {"command": "touch late"}, workspace=ws))
-        await asyncio.sleep(0)
+        await wait_until(lambda: ws.waiting == 1, what="the second call waiting for its turn")
         second.cancel()
         with pytest.raises(asyncio.CancelledError):
             await second
-        with open(fifo, "w") as f:
-            f.write("go\n")
+        assert ws.waiting == 0
+        await asyncio.to_thread(fifo.write_text, "go\n")
         assert (await first).status is Status.OK
         assert {c["path"] for c in await ws.diff()} == {"got"}
 
@@ -390,5 +391,6 @@ def test_without_overlays_a_layer_is_refused_naming_why(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert "mount namespace" in out["error"] and "doctor" in out["error"]
+    assert "mount namespace" in out["error"]
+    assert "doctor" in out["error"]
     assert out["made"] == []
