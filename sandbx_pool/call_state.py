@@ -54,6 +54,7 @@ class CallState(CallLife):
         self.layer: Layer | None = None
         self.layer_dir: str | None = None
         self.layer_base: str | None = None
+        self.layer_mount: str | None = None
 
     def journaled_workspace(self) -> str | None:
         # A view's call: cwd and paths are the view's, the view is where they are.

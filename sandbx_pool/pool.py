@@ -383,6 +383,7 @@ class Pool:
         view: str | None = None,
         workspace: str | Layer | None = None,
         changes: str | None = None,
+        layer_at: str | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
 
@@ -402,6 +403,11 @@ class Pool:
         ``changes``: this call's change mode, ``"direct"``, ``"tracked"`` or
         ``"transactional"`` (default: the pool's); see sandbx_pool.changes. Outside direct
         mode the outcome's ``changes`` lists what the call did to the workspace.
+
+        ``workspace`` may be a Layer (``pool.layer``), or a layer's ``path``: the call runs in
+        it (its base plus the layer's changes; the base is never written), one call at a time
+        per layer, direct into the layer (``changes`` other than direct: ValueError). With a
+        ``view``, the layer is mounted at ``layer_at``, a directory of the view.
         """
         if self.state is PoolState.NEW:
             raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
@@ -412,8 +418,10 @@ class Pool:
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
         mode = change_mode(changes) if changes is not None else self.changes
         layer = await self._layer_of(workspace, changes)
+        layer_mount = _layer_mount(layer, view, layer_at)
         if layer is not None:
-            workspace, mode = layer.path, ChangeMode.DIRECT
+            workspace = layer.path if view is None else None
+            mode = ChangeMode.DIRECT
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
@@ -436,6 +444,7 @@ class Pool:
         if layer is not None:
             call.layer, call.layer_name = layer, layer.name
             call.layer_dir, call.layer_base = layer.directory, layer.base
+            call.layer_mount = layer_mount
         unsubscribe = token_subscription(cancel, call)
         driver = asyncio.create_task(call.drive(self.journal, partial(self._run, call)))
         driver.set_name(call.call_id)
@@ -792,6 +801,21 @@ class Pool:
         """Workers that did not die after SIGKILL: the worker's pid and state, and the process
         the kernel holds (``stuck_pid``, the worker or a descendant) with where (``wchan``)."""
         return [worker.stuck_report() for worker in self._workers.quarantined()]
+
+
+def _layer_mount(layer: Layer | None, view: str | None, layer_at: str | None) -> str | None:
+    """Where a call in a view mounts its layer: ``layer_at``, a directory of the view (lexical:
+    the view's top level is never a call's to change)."""
+    if layer_at is None:
+        if layer is not None and view is not None:
+            raise ValueError("a layer in a view needs layer_at: where in the view it is mounted")
+        return None
+    if layer is None or view is None:
+        raise ValueError("layer_at needs a layer as the workspace and a view")
+    inside = os.path.normpath("/" + layer_at).lstrip("/")
+    if not inside or "\x00" in inside:
+        raise ValueError(f"layer_at must name a directory inside the view, not {layer_at!r}")
+    return os.path.join(os.path.normpath(view), inside)
 
 
 def _normalised(path: str) -> str:

@@ -115,6 +115,7 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
         changes_dir=call.changes_dir,
         layer_dir=call.layer_dir,
         layer_base=call.layer_base,
+        layer_mount=call.layer_mount,
     )
 
 

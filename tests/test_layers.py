@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from conftest import marked_config
-from helpers import journal_records, wait_until
+from helpers import journal_records, marked_pool_toml, wait_until
 
 from sandbx_pool import Config, Layer, Pool, Status
 
@@ -394,3 +394,44 @@ def test_without_overlays_a_layer_is_refused_naming_why(tmp_path: Path) -> None:
     assert "mount namespace" in out["error"]
     assert "doctor" in out["error"]
     assert out["made"] == []
+
+
+# -- where layers are used --------------------------------------------------------------------
+
+
+async def test_an_inspect_sample_over_a_base_works_in_its_own_layer(tmp_path: Path) -> None:
+    pytest.importorskip("inspect_ai")
+    from sandbx_pool.integrations.inspect_provider import SandbxConfig, SandbxSandboxEnvironment
+
+    base = _base(tmp_path)
+    before = _snapshot(base)
+    pool_toml = Path(marked_pool_toml(tmp_path))
+    store = tmp_path / "layers"
+    pool_toml.write_text(pool_toml.read_text() + f'\n[workspace]\nlayers = "{store}"\n')
+    config = SandbxConfig(
+        journal=str(tmp_path / "journal.jsonl"),
+        pool_config=str(pool_toml),
+        workers=2,
+        base=str(base),
+    )
+    await SandbxSandboxEnvironment.task_init("startup", config)
+    try:
+        first = await SandbxSandboxEnvironment.sample_init("test", config, {})
+        second = await SandbxSandboxEnvironment.sample_init("test", config, {})
+        one, two = first["default"], second["default"]
+        try:
+            assert await one.read_file("README") == "read me\n"
+            await one.write_file("README", "one\n")
+            done = await one.exec(["sh", "-c", "rm src/a.py; pwd; ls src; cat README"])
+            assert done.stdout == "/work\nb.py\none\n"
+            assert await two.read_file("README") == "read me\n"
+            assert (await two.exec(["ls", "src"])).stdout == "a.py\nb.py\n"
+            assert (await two.exec(["ls", "/"])).success  # the sample's view, as ever
+            assert len(os.listdir(store)) == 2
+        finally:
+            await SandbxSandboxEnvironment.sample_cleanup("test", config, first, False)
+            await SandbxSandboxEnvironment.sample_cleanup("test", config, second, False)
+    finally:
+        await SandbxSandboxEnvironment.task_cleanup("shutdown", config, True)
+    assert os.listdir(store) == []
+    assert _snapshot(base) == before

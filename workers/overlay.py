@@ -126,13 +126,15 @@ def _cover_store(layer_dir: str, root: str) -> None:
     filesystem rules."""
     store = os.path.dirname(layer_dir)
     name = os.path.basename(layer_dir)
+    own_root = os.path.join(layer_dir, "root")
     held = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
         _libc.mount("sandbx-layers", store, "tmpfs", flags, "size=4k,mode=0755")
-        os.mkdir(os.path.join(store, name), 0o755)
-        os.mkdir(os.path.join(store, name, "root"), 0o755)
-        _libc.mount(f"/proc/self/fd/{held}", root, None, _libc.MS_BIND, None)
+        if root == own_root:  # else the layer is mounted elsewhere (in a view): not here
+            os.mkdir(os.path.join(store, name), 0o755)
+            os.mkdir(own_root, 0o755)
+            _libc.mount(f"/proc/self/fd/{held}", root, None, _libc.MS_BIND, None)
     finally:
         os.close(held)
     _libc.set_read_only(store, recursive=False)
@@ -153,7 +155,7 @@ def enter_layer(ctx: ExecutionContext, *, resolve: bool = False) -> str:
             f"a layer's base must not lie inside the layer store {store}, nor the store"
             f" inside it: {base}"
         )
-    root = ctx.workspace
+    root = ctx.layer_mount or ctx.workspace
     upper = os.path.join(ctx.layer_dir, "upper")
     work = os.path.join(ctx.layer_dir, "work")
     for path in (root, upper, work):

@@ -103,6 +103,9 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     layer_dir: str | None = None
     #: The layer's base, as recorded when it was made (its real path).
     layer_base: str | None = None
+    #: Where the layer is mounted, on the host: a directory inside the call's view (an
+    #: Inspect sample's working directory). None: on the workspace, the layer's root.
+    layer_mount: str | None = None
 
 
 #: The file a tracked call's worker makes in its ``changes_dir`` when it lists the workspace
