@@ -205,6 +205,8 @@ class Layers:
         self.store = os.path.realpath(store)
         self.run = run
         self.layers: dict[str, Layer] = {}
+        #: One opening at a time per name: two batch lanes asking for one new layer make it once.
+        self._opening: dict[str, asyncio.Lock] = {}
         layer_store.remove_leftovers(self.store)
 
     def check_free(self, name: str) -> None:
@@ -230,6 +232,11 @@ class Layers:
 
     async def open(self, name: str, base: str | None) -> Layer:
         layer_store.check_name(name)
+        lock = self._opening.setdefault(name, asyncio.Lock())
+        async with lock:
+            return await self._open(name, base)
+
+    async def _open(self, name: str, base: str | None) -> Layer:
         # Lexical: the base is a workspace, which only a worker touches.
         wanted = os.path.abspath(base) if base is not None else None  # noqa: ASYNC240
         if wanted is not None:

@@ -399,15 +399,19 @@ def test_without_overlays_a_layer_is_refused_naming_why(tmp_path: Path) -> None:
 # -- where layers are used --------------------------------------------------------------------
 
 
+def _with_store(pool_toml: Path, store: Path) -> Path:
+    pool_toml.write_text(pool_toml.read_text() + f'\n[workspace]\nlayers = "{store}"\n')
+    return pool_toml
+
+
 async def test_an_inspect_sample_over_a_base_works_in_its_own_layer(tmp_path: Path) -> None:
     pytest.importorskip("inspect_ai")
     from sandbx_pool.integrations.inspect_provider import SandbxConfig, SandbxSandboxEnvironment
 
     base = _base(tmp_path)
     before = _snapshot(base)
-    pool_toml = Path(marked_pool_toml(tmp_path))
     store = tmp_path / "layers"
-    pool_toml.write_text(pool_toml.read_text() + f'\n[workspace]\nlayers = "{store}"\n')
+    pool_toml = _with_store(Path(marked_pool_toml(tmp_path)), store)
     config = SandbxConfig(
         journal=str(tmp_path / "journal.jsonl"),
         pool_config=str(pool_toml),
@@ -435,3 +439,77 @@ async def test_an_inspect_sample_over_a_base_works_in_its_own_layer(tmp_path: Pa
         await SandbxSandboxEnvironment.task_cleanup("shutdown", config, True)
     assert os.listdir(store) == []
     assert _snapshot(base) == before
+
+
+def test_a_batch_runs_each_sample_in_its_own_layer_over_one_base(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    base = root / "repo"
+    base.mkdir(parents=True)
+    (base / "code.py").write_text("x = 1\n")
+    before = _snapshot(base)
+    config = tmp_path / "pool.toml"
+    config.write_text(f'[pool]\nprefork = 0\n\n[workspace]\nlayers = "{tmp_path / "layers"}"\n')
+    lines = []
+    for sample in range(3):
+        name = f"s-{sample}"
+        edit = f"sed -i 's/1/{sample}/' code.py && cat code.py"
+        lines.append({"tool": "bash", "args": {"command": edit}, "base": "repo", "layer": name})
+        lines.append({"tool": "read", "args": {"path": "code.py"}, "layer": name, "id": name})
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    journal = tmp_path / "j.jsonl"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "sandbx_pool.cli", "run", str(calls)),
+            *("--workspace", str(root), "--config", str(config)),
+            *("--journal", str(journal), "--parallel", "4"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr
+    records = journal_records(str(journal))
+    outcomes = {r["call_id"]: r for r in records if r["kind"] == "outcome"}
+    assert len(outcomes) == 6
+    assert all(r["status"] == "ok" for r in outcomes.values())
+    layers = {r["call_id"]: r["layer"] for r in records if r["kind"] == "intent"}
+    assert sorted(set(layers.values())) == ["s-0", "s-1", "s-2"]
+    assert sorted(os.listdir(tmp_path / "layers")) == ["s-0", "s-1", "s-2"]
+    for sample in range(3):
+        upper = tmp_path / "layers" / f"s-{sample}" / "upper" / "code.py"
+        assert upper.read_text() == f"x = {sample}\n"
+    assert _snapshot(base) == before
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ({"tool": "ls", "base": "repo"}, '"base" needs "layer"'),
+        ({"tool": "ls", "layer": "../x"}, "plain name"),
+        ({"tool": "ls", "layer": "a", "workspace": "w"}, "do not go together"),
+        ({"tool": "ls", "layer": "a", "changes": "tracked"}, "its calls are direct"),
+        ({"tool": "ls", "layer": "a", "base": ""}, "non-empty path"),
+    ],
+)
+def test_a_batch_line_with_a_bad_layer_is_a_file_error(
+    tmp_path: Path, line: dict[str, Any], problem: str
+) -> None:
+    from sandbx_pool.batch.calls import BatchFileError, load_batch
+
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text(json.dumps(line) + "\n")
+    with pytest.raises(BatchFileError, match=problem):
+        load_batch(calls)
+
+
+def test_two_bases_for_one_layer_are_a_file_error(tmp_path: Path) -> None:
+    from sandbx_pool.batch.calls import BatchFileError, load_batch
+
+    calls = tmp_path / "calls.jsonl"
+    lines = [{"tool": "ls", "layer": "a", "base": "x"}, {"tool": "ls", "layer": "a", "base": "y"}]
+    calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(BatchFileError, match=r"layer 'a' is over 'x' \(line 1\), not 'y'"):
+        load_batch(calls)

@@ -243,7 +243,16 @@ async def run_batch(
                     on_submit(spec)
                 sink = _output_file(outputs, spec)
                 extra: dict[str, Any] = {}
-                if isinstance(pool, Pool):
+                if spec.layer is not None:
+                    try:
+                        extra["workspace"] = await _layer(pool, spec)
+                    except (ValueError, SandbxPoolError) as exc:
+                        if report.failure is None:
+                            report.failure = f"line {spec.line}: {exc}"
+                            logger.error("batch stopped at line {}: {}", spec.line, exc)
+                        halt.set()
+                        return
+                elif isinstance(pool, Pool):
                     extra["on_output"] = sink.write if sink is not None else None
                     if spec.workspace is not None:
                         extra["workspace"] = os.path.join(pool.workspace, spec.workspace)
@@ -251,6 +260,8 @@ async def run_batch(
                         extra["changes"] = spec.changes
                 else:  # a RayPool: workspaces by name, output only in the outcome
                     extra["workspace"] = spec.workspace
+                if isinstance(pool, Pool):
+                    extra["on_output"] = sink.write if sink is not None else None
                 try:
                     outcome = await pool.call(
                         spec.tool,
@@ -310,6 +321,15 @@ class _OutputFile:
 
 #: How an output file is made: a new file, never through a symlink or into a FIFO.
 _OUTPUT_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+async def _layer(pool: Pool | RayPool, spec: CallSpec) -> Any:
+    """The layer a line runs in (its path on a RayPool's node), made over its base by the
+    first line that needs it; a relative base is under the workspace root (batch.calls)."""
+    assert spec.layer is not None
+    root = pool.workspace if isinstance(pool, Pool) else pool.workspace_root
+    base = None if spec.base is None else os.path.normpath(os.path.join(root, spec.base))
+    return await pool.layer(spec.layer, base=base)
 
 
 def _output_file(directory: int | None, spec: CallSpec) -> _OutputFile | None:
