@@ -22,6 +22,7 @@ SECTIONS = (
     "cluster",
     "oneshot",
     "changes",
+    "layers",
 )
 
 
@@ -36,6 +37,7 @@ class Counts:
     cluster_calls: int = 800
     oneshot_runs: int = 20
     changes_calls: int = 300
+    layer_samples: int = 100
 
 
 QUICK = Counts(
@@ -48,6 +50,7 @@ QUICK = Counts(
     cluster_calls=80,
     oneshot_runs=6,
     changes_calls=60,
+    layer_samples=20,
 )
 
 
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster,
         hung,
         latency,
+        layers,
         oneshot,
         report,
         search,
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.oneshot = oneshot.run(ws, runs=counts.oneshot_runs)
                 elif section == "changes":
                     result.changes = changes.run(ws, calls=counts.changes_calls)
+                elif section == "layers":
+                    result.layers = layers.run(ws, samples=counts.layer_samples)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

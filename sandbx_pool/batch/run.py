@@ -328,7 +328,9 @@ async def _layer(pool: Pool | RayPool, spec: CallSpec) -> Any:
     first line that needs it; a relative base is under the workspace root (batch.calls)."""
     assert spec.layer is not None
     root = pool.workspace if isinstance(pool, Pool) else pool.workspace_root
-    base = None if spec.base is None else os.path.normpath(os.path.join(root, spec.base))
+    # Lexical: the base is a workspace, which only a worker touches.
+    joined = None if spec.base is None else os.path.join(root, spec.base)
+    base = None if joined is None else os.path.normpath(joined)  # noqa: ASYNC240
     return await pool.layer(spec.layer, base=base)
 
 
