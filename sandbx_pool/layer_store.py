@@ -154,6 +154,33 @@ def remove_leftovers(store: str) -> None:
         remove_tree(os.path.join(store, name))
 
 
+def open_up(upper: str) -> list[tuple[str, int]]:
+    """Make every directory of ``upper`` listable and searchable by its owner (the diff's
+    worker holds no capability, and a call may have chmod'ed one 000); the modes changed,
+    for ``close_down``. Only while no call runs in the layer (its turn is held)."""
+    changed: list[tuple[str, int]] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        path = os.path.join(upper, rel) if rel else upper
+        st = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            continue
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o500 != 0o500:
+            os.chmod(path, mode | 0o500)
+            changed.append((path, mode))
+        stack.extend(os.path.join(rel, name) for name in os.listdir(path))
+    return changed
+
+
+def close_down(changed: list[tuple[str, int]]) -> None:
+    """Put back the modes ``open_up`` changed, deepest first."""
+    for path, mode in reversed(changed):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(path, mode)
+
+
 # -- walking a tree a call made ------------------------------------------------------------------
 
 
@@ -361,7 +388,9 @@ __all__ = [
     "commit",
     "copy_tree",
     "fork",
+    "close_down",
     "lock",
+    "open_up",
     "read_meta",
     "remove",
     "remove_leftovers",

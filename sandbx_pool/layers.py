@@ -138,16 +138,21 @@ class Layer:
     async def diff(self) -> list[dict[str, Any]]:
         """The layer's changes against its base: ``{"path", "kind", "type", "size",
         "applied": False}`` each, sorted by path, as an outcome's ``changes``."""
+        upper = os.path.join(self.directory, "upper")
         async with self._held():
             self._ids += 1
-            outcome = await self._layers.run(
-                f"layer-{self.name}-diff-{self._ids}",
-                "_layer_diff",
-                {"upper": os.path.join(self.directory, "upper")},
-                self.base,
-                None,
-                (os.path.join(self.directory, "upper"),),
-            )
+            opened = await asyncio.to_thread(layer_store.open_up, upper)
+            try:
+                outcome = await self._layers.run(
+                    f"layer-{self.name}-diff-{self._ids}",
+                    "_layer_diff",
+                    {"upper": upper},
+                    self.base,
+                    None,
+                    (upper,),
+                )
+            finally:
+                await asyncio.to_thread(layer_store.close_down, opened)
         if outcome.value is None:
             raise ValueError(f"cannot list layer {self.name!r}'s changes: {outcome.error}")
         changes: list[dict[str, Any]] = outcome.value["changes"]
