@@ -424,7 +424,13 @@ async def test_an_inspect_sample_over_a_base_works_in_its_own_layer(tmp_path: Pa
         workers=2,
         base=str(base),
     )
+    # A layer an eval killed before its cleanup left (its owner: a pid no process has).
+    left = store / "sandbx-inspect-999999999-5-abcdef-sample-ghijkl"
+    for part in ("upper", "work", "root"):
+        (left / part).mkdir(parents=True)
+    (left / "layer.json").write_text(json.dumps({"v": 1, "name": left.name, "base": str(base)}))
     await SandbxSandboxEnvironment.task_init("startup", config)
+    assert not left.exists()
     try:
         first = await SandbxSandboxEnvironment.sample_init("test", config, {})
         second = await SandbxSandboxEnvironment.sample_init("test", config, {})

@@ -65,7 +65,7 @@ from sandbx_pool.layers import Layer
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.pool import Pool
-from sandbx_pool.runtime_dir import owner_tag, remove_abandoned
+from sandbx_pool.runtime_dir import owner_is_dead, owner_tag, remove_abandoned
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES
 
 #: The pool's output cap: the largest file read_file can return in one message (the rest of a
@@ -224,6 +224,8 @@ async def _open_task(settings: SandbxConfig) -> _Task:
                 asyncio.to_thread(remove_abandoned, settings.root, TASK_DIR_PREFIX),
                 ABANDONED_SWEEP_S,
             )
+        if settings.base is not None:
+            await _remove_abandoned_layers(pool)
         template = os.path.join(settings.root, f"{TASK_DIR_PREFIX}{owner_tag()}-XXXXXX")
         made = await _check(pool, ["mktemp", "-d", template], cwd=settings.workspace)
         directory = made.stdout.strip()
@@ -235,6 +237,21 @@ async def _open_task(settings: SandbxConfig) -> _Task:
     if pool.journal is not None:  # once per task; each sample's log names it too
         inspect_eval.announce_journal(pool.journal.path)
     return _Task(settings, pool, directory)
+
+
+async def _remove_abandoned_layers(pool: Pool) -> None:
+    """The samples' layers of evals whose process is gone (killed: no cleanup ran). Named
+    ``<task directory>-sample-<random>`` (sample_init), the task directory naming its owner."""
+    store = pool.config.workspace.layers_dir()
+    try:
+        names = await asyncio.to_thread(os.listdir, store)  # the pool's own directory
+    except FileNotFoundError:
+        return
+    for name in names:
+        task_directory = name.rsplit("-sample-", 1)[0]
+        if name != task_directory and owner_is_dead(task_directory, TASK_DIR_PREFIX):
+            with contextlib.suppress(ValueError):  # open in another pool: not abandoned
+                await (await pool.layer(name)).remove()
 
 
 async def task_for(config: SandboxEnvironmentConfigType | None) -> _Task:
