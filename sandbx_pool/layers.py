@@ -38,6 +38,7 @@ from typing import Any
 
 from sandbx_pool import layer_store
 from sandbx_pool.call_state import CallState
+from sandbx_pool.config import ChangeMode, change_mode
 from sandbx_pool.errors import LayerUnavailable
 from sandbx_pool.outcome import Outcome
 
@@ -200,7 +201,14 @@ class Layer:
 class Layers:
     """A pool's layers: its store, and the layers it has open (each once)."""
 
-    def __init__(self, store: str, run: RunLayerAction, *, shared: bool) -> None:
+    def __init__(
+        self,
+        store: str,
+        run: RunLayerAction,
+        *,
+        shared: bool,
+        unavailable: Callable[[], str | None],
+    ) -> None:
         os.makedirs(store, mode=0o700, exist_ok=True)
         #: 0711 when calls run as another user: they must pass through to a layer's root.
         self.mode = 0o711 if shared else 0o700
@@ -209,6 +217,8 @@ class Layers:
         #: name and what bases are checked against.
         self.store = os.path.realpath(store)
         self.run = run
+        #: Why no layer can be mounted here (None: they can): the pool's containment.
+        self.unavailable = unavailable
         self.layers: dict[str, Layer] = {}
         #: One opening at a time per name: two batch lanes asking for one new layer make it once.
         self._opening: dict[str, asyncio.Lock] = {}
@@ -236,6 +246,9 @@ class Layers:
         raise ValueError(f"{path} is in the layer store: only a layer's root is a workspace")
 
     async def open(self, name: str, base: str | None) -> Layer:
+        why = self.unavailable()
+        if why is not None:
+            raise LayerUnavailable(why)
         layer_store.check_name(name)
         lock = self._opening.setdefault(name, asyncio.Lock())
         async with lock:
@@ -301,6 +314,21 @@ class Layers:
             raise
         return self._hold(name, real)
 
+    async def named_by(self, workspace: object, configured: str) -> Layer:
+        """The layer a call's ``workspace`` names: a Layer of ours, or a layer's root path
+        (lexical: the store as configured, or as resolved, a Layer's ``path``), opened."""
+        if isinstance(workspace, Layer):
+            if self.layers.get(workspace.name) is not workspace:
+                raise ValueError(f"{workspace!r} is not a layer this pool has open")
+            return workspace
+        assert isinstance(workspace, str)
+        path = os.path.normpath(workspace)  # noqa: ASYNC240 (lexical)
+        if is_within(path, configured):
+            path = self.store + path[len(configured) :]
+        name = self.name_of(path)
+        assert name is not None
+        return await self.open(name, None)
+
     def forget(self, layer: Layer) -> None:
         layer.close()
         if self.layers.get(layer.name) is layer:
@@ -311,4 +339,48 @@ class Layers:
             self.forget(layer)
 
 
-__all__ = ["LAYER_BASE", "LAYER_UNAVAILABLE", "Layer", "Layers", "RunLayerAction"]
+def names_a_layer(workspace: object, configured: str, layers: Layers | None) -> bool:
+    """Whether a call's ``workspace`` is a layer (a Layer, or a path in the layer store as
+    configured or as resolved): lexical, the store is not touched."""
+    if isinstance(workspace, Layer):
+        return True
+    if not isinstance(workspace, str) or not os.path.isabs(workspace):
+        return False
+    path = os.path.normpath(workspace)
+    return is_within(path, configured) or (layers is not None and is_within(path, layers.store))
+
+
+def check_direct(layer: Layer, changes: str | None) -> None:
+    """A call in a layer is direct into it: asking for another change mode is a ValueError."""
+    if changes is not None and change_mode(changes) is not ChangeMode.DIRECT:
+        raise ValueError(
+            f"changes={changes!r} in layer {layer.name!r}: a layer keeps its changes apart"
+            " already (Layer.diff lists them, Layer.reset drops them)"
+        )
+
+
+def mount_point(layer: Layer | None, view: str | None, layer_at: str | None) -> str | None:
+    """Where a call in a view mounts its layer: ``layer_at``, a directory of the view (lexical:
+    the view's top level is never a call's to change). None: on the layer's own root."""
+    if layer_at is None:
+        if layer is not None and view is not None:
+            raise ValueError("a layer in a view needs layer_at: where in the view it is mounted")
+        return None
+    if layer is None or view is None:
+        raise ValueError("layer_at needs a layer as the workspace and a view")
+    inside = os.path.normpath("/" + layer_at).lstrip("/")
+    if not inside or "\x00" in inside:
+        raise ValueError(f"layer_at must name a directory inside the view, not {layer_at!r}")
+    return os.path.join(os.path.normpath(view), inside)
+
+
+__all__ = [
+    "LAYER_BASE",
+    "LAYER_UNAVAILABLE",
+    "Layer",
+    "Layers",
+    "RunLayerAction",
+    "check_direct",
+    "mount_point",
+    "names_a_layer",
+]

@@ -60,13 +60,7 @@ from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.changes import ChangeSets, refuse_without_store, store_dir
 from sandbx_pool.config import ChangeMode, Config, JournalPolicy, change_mode, load_config
-from sandbx_pool.errors import (
-    LayerUnavailable,
-    PoolClosed,
-    PoolNotStarted,
-    TemplateLost,
-    WorkersFailToStart,
-)
+from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.inbox import Inbox
@@ -74,7 +68,7 @@ from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
 from sandbx_pool.journal.records import IntentRecord
 from sandbx_pool.journal.store import Journal
-from sandbx_pool.layers import Layer, Layers, is_within
+from sandbx_pool.layers import Layer, Layers, check_direct, mount_point, names_a_layer
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputCallback
@@ -418,7 +412,7 @@ class Pool:
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
         mode = change_mode(changes) if changes is not None else self.changes
         layer = await self._layer_of(workspace, changes)
-        layer_mount = _layer_mount(layer, view, layer_at)
+        layer_mount = mount_point(layer, view, layer_at)
         if layer is not None:
             workspace = layer.path if view is None else None
             mode = ChangeMode.DIRECT
@@ -512,64 +506,36 @@ class Pool:
         it) or is not the one recorded; LayerUnavailable where no overlay mounts."""
         if self.state is not PoolState.OPEN:
             raise PoolClosed("the pool is not open")
-        if not self.views:
-            raise LayerUnavailable(
-                "layers need a mount namespace per call (root with CAP_SYS_ADMIN, or user"
-                f" namespaces allowed); this pool's workers have none ({self._containment()}):"
-                " see sandbx-pool doctor"
-            )
         return await self._layer_set().open(name, os.fspath(base) if base is not None else None)
-
-    def _containment(self) -> str:
-        template = self._template
-        return (template.containment if template is not None else None) or "not started"
 
     def _layer_set(self) -> Layers:
         if self._layers is None:
-            store = self.config.workspace.layers_dir()
-            shared = bool(self.config.sandbox.run_as)
-            self._layers = Layers(store, self._layer_action, shared=shared)
+            self._layers = Layers(
+                self.config.workspace.layers_dir(),
+                self._internal,
+                shared=bool(self.config.sandbox.run_as),
+                unavailable=self._why_no_layers,
+            )
             self._hide(self._layers.store)
         return self._layers
 
-    async def _layer_action(
-        self,
-        call_id: str,
-        tool: str,
-        args: dict[str, Any],
-        workspace: str,
-        layer: tuple[str, str] | None,
-        read_only: tuple[str, ...],
-    ) -> Outcome:
-        return await self._internal(call_id, tool, args, workspace, layer, read_only)
+    def _why_no_layers(self) -> str | None:
+        if self.views:
+            return None
+        containment = (self._template.containment if self._template else None) or "not started"
+        return (
+            "layers need a mount namespace per call (root with CAP_SYS_ADMIN, or user"
+            f" namespaces allowed); this pool's workers have none ({containment}): see"
+            " sandbx-pool doctor"
+        )
 
     async def _layer_of(self, workspace: object, changes: str | None) -> Layer | None:
         """The layer a call's ``workspace`` names (a Layer, or a layer's root path), or None."""
-        if isinstance(workspace, Layer):
-            if self._layers is None or self._layers.layers.get(workspace.name) is not workspace:
-                raise ValueError(f"{workspace!r} is not a layer this pool has open")
-            layer: Layer | None = workspace
-        elif isinstance(workspace, str) and os.path.isabs(workspace):
-            # Lexical: the store as configured, or as resolved (a layer's ``path``).
-            path = _normalised(workspace)
-            configured = os.path.abspath(self.config.workspace.layers_dir())  # noqa: ASYNC240
-            if is_within(path, configured):
-                path = self._layer_set().store + path[len(configured) :]
-            elif self._layers is None or not is_within(path, self._layers.store):
-                return None
-            name = self._layer_set().name_of(path)
-            layer = await self.layer(name) if name is not None else None
-        else:
+        configured = self.config.workspace.layers_dir()
+        if not names_a_layer(workspace, configured, self._layers):
             return None
-        if (
-            layer is not None
-            and changes is not None
-            and change_mode(changes) is not ChangeMode.DIRECT
-        ):
-            raise ValueError(
-                f"changes={changes!r} in layer {layer.name!r}: a layer keeps its changes apart"
-                " already (Layer.diff lists them, Layer.reset drops them)"
-            )
+        layer = await self._layer_set().named_by(workspace, configured)
+        check_direct(layer, changes)
         return layer
 
     # -- change sets (sandbx_pool.changes) ----------------------------------------------------
@@ -801,21 +767,6 @@ class Pool:
         """Workers that did not die after SIGKILL: the worker's pid and state, and the process
         the kernel holds (``stuck_pid``, the worker or a descendant) with where (``wchan``)."""
         return [worker.stuck_report() for worker in self._workers.quarantined()]
-
-
-def _layer_mount(layer: Layer | None, view: str | None, layer_at: str | None) -> str | None:
-    """Where a call in a view mounts its layer: ``layer_at``, a directory of the view (lexical:
-    the view's top level is never a call's to change)."""
-    if layer_at is None:
-        if layer is not None and view is not None:
-            raise ValueError("a layer in a view needs layer_at: where in the view it is mounted")
-        return None
-    if layer is None or view is None:
-        raise ValueError("layer_at needs a layer as the workspace and a view")
-    inside = os.path.normpath("/" + layer_at).lstrip("/")
-    if not inside or "\x00" in inside:
-        raise ValueError(f"layer_at must name a directory inside the view, not {layer_at!r}")
-    return os.path.join(os.path.normpath(view), inside)
 
 
 def _normalised(path: str) -> str:
