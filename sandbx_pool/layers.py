@@ -96,7 +96,6 @@ class Layer:
     async def turn(self, call: CallState) -> bool:
         """Wait until no other call or operation is in the layer; False when the call was
         killed meanwhile (it then holds nothing)."""
-        self._check_open()
         acquire = asyncio.ensure_future(self._turn.acquire())
         self.waiting += 1
         try:

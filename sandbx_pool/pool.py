@@ -458,12 +458,15 @@ class Pool:
         if call.layer is None:
             return await self._run_here(call)
         # One call at a time in a layer, once the previous call's worker is gone (layers.py).
-        if not await call.layer.turn(call):
+        layer = call.layer
+        if not await layer.turn(call):
             return call.killed_outcome()
         try:
+            if not layer.open:  # removed (or its pool closing) while the call waited
+                return call.outcome(Status.ERROR, error=f"layer {layer.name!r} was removed")
             return await self._run_here(call)
         finally:
-            call.layer.leave(call)
+            layer.leave(call)
 
     async def _run_here(self, call: CallState) -> Outcome:
         # Checks that need no process, in order: nothing is forked for a refused call.

@@ -276,6 +276,31 @@ async def test_a_cancelled_call_waiting_for_its_turn_takes_none(tmp_path: Path) 
         assert {c["path"] for c in await ws.diff()} == {"got"}
 
 
+async def test_a_call_waiting_in_a_removed_layer_ends_as_error(tmp_path: Path) -> None:
+    base = _base(tmp_path)
+    fifo = tmp_path / "sync" / "go"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    config = _config(tmp_path, sandbox={"writable": [str(fifo.parent)]})
+    async with Pool(base, config=config) as pool:
+        ws = await pool.layer("gone", base=base)
+        first = asyncio.create_task(pool.call("bash", {"command": f"cat {fifo}"}, workspace=ws))
+        await wait_until(lambda: bool(pool.running()), what="the first call running")
+        removing = asyncio.create_task(ws.remove())
+        late = asyncio.create_task(pool.call("bash", {"command": "touch late"}, workspace=ws))
+        await wait_until(lambda: ws.waiting == 1, what="the late call waiting for its turn")
+        await asyncio.to_thread(fifo.write_text, "go\n")
+        assert (await first).status is Status.OK
+        await removing
+        outcome = await late
+        assert outcome.status is Status.ERROR
+        assert outcome.error == "layer 'gone' was removed"
+        assert outcome.started is False
+        with pytest.raises(ValueError, match="removed"):
+            await pool.call("ls", {}, workspace=ws)
+    assert not (tmp_path / "layers" / "gone").exists()
+
+
 _ATTACK = r"""
 set +e
 B={base}
