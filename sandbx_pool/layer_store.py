@@ -7,8 +7,10 @@
             root/                     an empty directory: the layer's mount point, the path a
                                       call in the layer names as its workspace
             lock                      flock'ed by the one pool that has the layer open
-        .new-<name>-<random>/         a layer being made (fork), renamed into place when whole
-        .trash-<random>/              what reset and remove set aside, then delete
+        .new-<pid>-<start>-<random>/  a layer being made, renamed into place when whole
+        .trash-<pid>-<start>-<random>/  what reset and remove set aside, then delete
+                                      (named after the pool's process: another pool sharing
+                                      the store removes them only once that process is gone)
 
 Everything here runs on a thread of the coordinator's (asyncio.to_thread), never on its event
 loop: an upper directory is what a call left, as large as it liked. It is walked by descriptor,
@@ -30,12 +32,14 @@ import os
 import re
 import stat
 
+from sandbx_pool.runtime_dir import owner_is_dead, owner_tag
 from sandbx_pool.workers import _libc
 
 #: A layer's name: one plain path component, at most 128 characters, not starting with a dot
 #: (``.``, ``..`` and the store's own ``.new-``/``.trash-`` entries never collide with one).
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+@=-]{0,127}")
 META = "layer.json"
+NEW, TRASH = ".new-", ".trash-"
 META_VERSION = 1
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -66,8 +70,8 @@ def read_meta(store: str, name: str) -> dict[str, object] | None:
 
 
 def begin(store: str, name: str, *, mode: int) -> str:
-    """A fresh ``.new-<name>-<random>`` directory with empty upper, work and root."""
-    temp = os.path.join(store, f".new-{name}-{os.urandom(4).hex()}")
+    """A fresh ``.new-<owner>-<random>`` directory with empty upper, work and root."""
+    temp = os.path.join(store, f"{NEW}{owner_tag()}-{os.urandom(4).hex()}")
     os.mkdir(temp, mode)
     for part, part_mode in (("upper", 0o755), ("work", 0o700), ("root", 0o755)):
         os.mkdir(os.path.join(temp, part), part_mode)
@@ -138,7 +142,7 @@ def fork(store: str, source: str, name: str, *, mode: int) -> None:
 
 def set_aside(store: str, paths: list[str]) -> str:
     """Move ``paths`` (entries of the store) into a new ``.trash-<random>`` of the store."""
-    trash = os.path.join(store, f".trash-{os.urandom(6).hex()}")
+    trash = os.path.join(store, f"{TRASH}{owner_tag()}-{os.urandom(6).hex()}")
     os.mkdir(trash, 0o700)
     for index, path in enumerate(paths):
         with contextlib.suppress(FileNotFoundError):
@@ -147,9 +151,14 @@ def set_aside(store: str, paths: list[str]) -> str:
 
 
 def remove_leftovers(store: str) -> None:
-    """What a killed pool left mid-way: half-made layers, trash not yet deleted."""
+    """What a killed pool left mid-way: half-made layers, trash not yet deleted (a live
+    pool's, sharing the store, are its own)."""
     with contextlib.suppress(FileNotFoundError), os.scandir(store) as entries:
-        names = [entry.name for entry in entries if entry.name.startswith((".new-", ".trash-"))]
+        names = [
+            entry.name
+            for entry in entries
+            if owner_is_dead(entry.name, NEW) or owner_is_dead(entry.name, TRASH)
+        ]
     for name in names:
         remove_tree(os.path.join(store, name))
 

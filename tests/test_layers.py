@@ -179,6 +179,24 @@ async def test_layers_outlive_the_pool_and_keep_their_base(tmp_path: Path) -> No
     assert all(r["workspace"] == path for r in intents)
 
 
+async def test_what_a_killed_pool_left_in_the_store_goes_and_a_live_ones_stays(
+    tmp_path: Path,
+) -> None:
+    from sandbx_pool.runtime_dir import owner_tag
+
+    base = _base(tmp_path)
+    store = tmp_path / "layers"
+    dead = [store / ".new-999999999-5-aa", store / ".trash-999999999-5-bb"]
+    live = [store / f".new-{owner_tag()}-cc", store / f".trash-{owner_tag()}-dd"]
+    for path in [*dead, *live]:
+        (path / "upper" / "deep").mkdir(parents=True)
+        (path / "upper" / "deep" / "f").write_text("x")
+        os.chmod(path / "upper" / "deep", 0)
+    async with Pool(base, config=_config(tmp_path)) as pool:
+        await pool.layer("fresh", base=base)
+    assert sorted(os.listdir(store)) == sorted(["fresh", *(p.name for p in live)])
+
+
 async def test_a_layer_is_open_in_one_pool_at_a_time(tmp_path: Path) -> None:
     base = _base(tmp_path)
     async with Pool(base, config=_config(tmp_path)) as first:
