@@ -537,6 +537,20 @@ def test_a_batch_runs_each_sample_in_its_own_layer_over_one_base(tmp_path: Path)
         upper = tmp_path / "layers" / f"s-{sample}" / "upper" / "code.py"
         assert upper.read_text() == f"x = {sample}\n"
     assert _snapshot(base) == before
+    # Resumed: nothing left to run, and the layers' paths do not pass for the workspace root.
+    again = subprocess.run(
+        [
+            *(sys.executable, "-m", "sandbx_pool.cli", "run", str(calls), "--resume"),
+            *("--workspace", str(root), "--config", str(config), "--journal", str(journal)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert again.returncode == 0, again.stderr
+    assert len([r for r in journal_records(str(journal)) if r["kind"] == "outcome"]) == 6
 
 
 @pytest.mark.parametrize(

@@ -100,8 +100,8 @@ class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
         by_id = {spec.call_id: spec for spec in calls}
         for call_id, recorded in reversed(self.workspaces.items()):
             spec = by_id.get(call_id)
-            if spec is None:
-                continue
+            if spec is None or spec.layer is not None:
+                continue  # gone from the file, or ran in a layer (its path is the store's)
             if spec.workspace is None:
                 return recorded
             suffix = os.sep + spec.workspace
