@@ -22,6 +22,7 @@ SECTIONS = (
     "cluster",
     "oneshot",
     "changes",
+    "layers",
     "sessions",
 )
 
@@ -37,6 +38,7 @@ class Counts:
     cluster_calls: int = 800
     oneshot_runs: int = 20
     changes_calls: int = 300
+    layer_samples: int = 100
     sessions_calls: int = 400
 
 
@@ -50,6 +52,7 @@ QUICK = Counts(
     cluster_calls=80,
     oneshot_runs=6,
     changes_calls=60,
+    layer_samples=20,
     sessions_calls=60,
 )
 
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster,
         hung,
         latency,
+        layers,
         oneshot,
         report,
         search,
@@ -147,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.oneshot = oneshot.run(ws, runs=counts.oneshot_runs)
                 elif section == "changes":
                     result.changes = changes.run(ws, calls=counts.changes_calls)
+                elif section == "layers":
+                    result.layers = layers.run(ws, samples=counts.layer_samples)
                 elif section == "sessions":
                     result.sessions = sessions.run(ws, calls=counts.sessions_calls)
             except Exception as exc:  # the other sections still get measured and reported

@@ -23,12 +23,14 @@ from bench.changes import MODES as CHANGE_MODES
 from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.hung import HungResult
 from bench.latency import LatencyResult
+from bench.layers import BASE_FILES, CHANGED, LayersResult
 from bench.oneshot import RATIO_BAR, OneShotResult
 from bench.procs import Leftovers
 from bench.search import SearchResult
 from bench.sessions import COMMAND as SESSION_COMMAND
 from bench.sessions import SessionsResult
 from bench.soak import KINDS, SoakResult
+from bench.stats import Samples
 from bench.streaming import IDLE_GAP_S, StreamingResult
 from bench.throughput import ConnectionCost, ThroughputResult
 
@@ -52,6 +54,7 @@ class Report:
     cluster: ClusterResult | None = None
     oneshot: OneShotResult | None = None
     changes: ChangesResult | None = None
+    layers: LayersResult | None = None
     sessions: SessionsResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
@@ -614,6 +617,34 @@ def _changes(result: ChangesResult) -> str:
     )
 
 
+def _layers(result: LayersResult) -> str:
+    def row(name: str, samples: Samples) -> tuple[str, str, str, str]:
+        return (
+            name,
+            str(samples.count),
+            ms(samples.percentile_ms(50)),
+            ms(samples.percentile_ms(95)),
+        )
+
+    rows = [
+        row(f"make a layer over {BASE_FILES:,} files (`pool.layer`)", result.make),
+        row(f"`cp -a` of the same {BASE_FILES:,} files", result.cp),
+        row("`cp -a --reflink=auto` of them", result.cp_reflink),
+        row("read, plain workspace", result.read_plain),
+        row("read, in a layer", result.read_layer),
+        row("bash `cat`, plain workspace", result.bash_plain),
+        row("bash `cat`, in a layer", result.bash_layer),
+        row(f"fork a layer ({CHANGED} files changed)", result.fork),
+        row(f"reset a layer ({CHANGED} files changed)", result.reset),
+    ]
+    return (
+        "## Layers: a sample's own copy-on-write workspace\n\n"
+        + table(("row", "n", "p50", "p95"), rows, "lrrr")
+        + "\n\nA layer is an overlay (lower = the base, read only) each call mounts in its own"
+        " mount namespace (docs/design.md, layers); the goal for making one was at most 50 ms."
+    )
+
+
 def render(report: Report) -> str:
     parts = [_header(report)]
     if report.latency is not None:
@@ -636,6 +667,8 @@ def render(report: Report) -> str:
         parts.append(_oneshot(report.oneshot))
     if report.changes is not None:
         parts.append(_changes(report.changes))
+    if report.layers is not None:
+        parts.append(_layers(report.layers))
     if report.sessions is not None:
         parts.append(_sessions(report.sessions))
     for section, error in report.failed.items():

@@ -30,12 +30,14 @@ if TYPE_CHECKING:
         ConfigError,
         JournalError,
         JournalLocked,
+        LayerUnavailable,
         PoolClosed,
         PoolNotStarted,
         SandbxPoolError,
         TemplateLost,
         UndoConflict,
     )
+    from sandbx_pool.layers import Layer
     from sandbx_pool.outcome import KilledBy, Outcome, Status
     from sandbx_pool.output import OutputChunk
     from sandbx_pool.pool import Pool, PoolState
@@ -51,11 +53,13 @@ _HOMES = {
     "ConfigError": "sandbx_pool.errors",
     "JournalError": "sandbx_pool.errors",
     "JournalLocked": "sandbx_pool.errors",
+    "LayerUnavailable": "sandbx_pool.errors",
     "PoolClosed": "sandbx_pool.errors",
     "PoolNotStarted": "sandbx_pool.errors",
     "SandbxPoolError": "sandbx_pool.errors",
     "TemplateLost": "sandbx_pool.errors",
     "UndoConflict": "sandbx_pool.errors",
+    "Layer": "sandbx_pool.layers",
     "KilledBy": "sandbx_pool.outcome",
     "Outcome": "sandbx_pool.outcome",
     "Status": "sandbx_pool.outcome",
@@ -74,6 +78,8 @@ __all__ = [
     "JournalLocked",
     "JournalPolicy",
     "KilledBy",
+    "Layer",
+    "LayerUnavailable",
     "Limits",
     "Outcome",
     "OutputChunk",

@@ -62,6 +62,8 @@ class CallLife:
         self.reason: str | None = None
         #: The call's change mode (sandbx_pool.changes), journaled with its intent.
         self.changes = ChangeMode.DIRECT
+        #: The layer the call runs in (sandbx_pool.layers), journaled with its intent.
+        self.layer_name: str | None = None
         #: The shell session the call runs in (sandbx_pool.sessions), journaled with its intent.
         self.session: str | None = None
 
@@ -138,6 +140,7 @@ class CallLife:
                 timeout_s=self.timeout_s,
                 workspace=self.journaled_workspace(),
                 changes=None if self.changes is ChangeMode.DIRECT else str(self.changes),
+                layer=self.layer_name,
                 session=self.session,
             )
         except JournalWriteError as exc:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import secrets
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandbx_pool.call_life import CallLife
 from sandbx_pool.logs import logger
 from sandbx_pool.output import OutputCallback, OutputChunk
 from sandbx_pool.worker_handle import Worker
 from sandbx_pool.workers.protocol import ExecutionContext, Limits, Output, Result
+
+if TYPE_CHECKING:
+    from sandbx_pool.layers import Layer
 
 
 class CallState(CallLife):
@@ -46,6 +49,12 @@ class CallState(CallLife):
         #: Tracked and transactional calls that change files: their overlay's directory
         #: (sandbx_pool.changes), made once the call passed its checks.
         self.changes_dir: str | None = None
+        #: A call in a layer (sandbx_pool.layers): its layer, whose directory and base the
+        #: worker mounts as the call's workspace.
+        self.layer: Layer | None = None
+        self.layer_dir: str | None = None
+        self.layer_base: str | None = None
+        self.layer_mount: str | None = None
         #: A session's bash call: the session's exports (sandbx_pool.sessions).
         self.session_env: dict[str, str] | None = None
 

@@ -64,6 +64,16 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class WorkspaceSettings(_Section):
     #: direct, tracked or transactional (ChangeMode); a call may choose its own.
     changes: str = "direct"
+    #: The layer store (sandbx_pool.layers): "" is the per-user default, layers_dir().
+    layers: str = ""
+
+    def layers_dir(self) -> str:
+        """Where the pool's layers live: ``layers``, or $XDG_DATA_HOME/sandbx-pool/layers
+        (~/.local/share/sandbx-pool/layers): kept across pools and reboots, the user's own."""
+        if self.layers:
+            return os.path.abspath(os.path.expanduser(self.layers))
+        data = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+        return os.path.join(os.path.abspath(data), "sandbx-pool", "layers")
 
     def __post_init__(self) -> None:
         try:

@@ -36,6 +36,11 @@ class JournalError(SandbxPoolError):
     """The journal cannot be opened or written."""
 
 
+class LayerUnavailable(SandbxPoolError):
+    """``pool.layer`` cannot make a layer here: no overlay mounts (root without CAP_SYS_ADMIN,
+    user namespaces refused, an old kernel). The message says why; so does sandbx-pool doctor."""
+
+
 class UndoConflict(SandbxPoolError):
     """``undo`` refused: a path the call changed was changed again since (by a later call,
     named, or outside the pool). Nothing was changed."""

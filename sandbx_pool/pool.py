@@ -69,6 +69,7 @@ from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
 from sandbx_pool.journal.records import IntentRecord
 from sandbx_pool.journal.store import Journal
+from sandbx_pool.layers import Layer, Layers, check_direct, mount_point, names_a_layer
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputCallback
@@ -168,6 +169,7 @@ class Pool:
         self._remains = Remains()
         self._remains.workers = self._workers.by_token
         self._change_sets: ChangeSets | None = None
+        self._layers: Layers | None = None
         #: Shell sessions (sandbx_pool.sessions): restored from the journal at start.
         self._sessions = Sessions()
         self._finalizer = weakref.finalize(self, release, self._remains)
@@ -206,6 +208,9 @@ class Pool:
                 self.config.sandbox.for_workers(tmp_root=self._tmp_root, hidden=hidden),
                 lock_dir=self._lock_dir,
             )
+            store = self.config.workspace.layers_dir()
+            if os.path.isdir(store):  # noqa: ASYNC240 (the pool's own directory, as J.d is)
+                self._hide(store)  # from the first call on, made by an earlier pool
             journal_path = self._journal_path or self._fresh_default_journal()
             if self.config.journal.policy is not JournalPolicy.OFF or self._journal_path:
                 self.journal = await Journal.open(journal_path, self.config.journal)
@@ -265,6 +270,13 @@ class Pool:
         assert self._sandbox is not None
         journal_file = os.path.realpath(path)
         hidden = (*self._sandbox.hidden, journal_file, journal_file + LOCK_SUFFIX)
+        self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
+
+    def _hide(self, directory: str) -> None:
+        """The pool's own directory out of every call's reach (the journal's J.d, the layer
+        store): bash's mount namespace covers it, the file tools refuse it."""
+        assert self._sandbox is not None
+        hidden = (*self._sandbox.hidden, os.path.realpath(directory))
         self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
 
     def _fresh_default_journal(self) -> str:
@@ -343,6 +355,8 @@ class Pool:
         if self._template is not None:
             await self._template.close()
         self._inbox.close()
+        if self._layers is not None:
+            self._layers.close()
         if self.journal is not None:
             await self.journal.close()
         for worker in self._workers.by_token.values():
@@ -366,8 +380,9 @@ class Pool:
         call_id: str | None = None,
         on_output: OutputCallback | None = None,
         view: str | None = None,
-        workspace: str | None = None,
+        workspace: str | Layer | None = None,
         changes: str | None = None,
+        layer_at: str | None = None,
         session: str | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
@@ -389,6 +404,10 @@ class Pool:
         ``"transactional"`` (default: the pool's); see sandbx_pool.changes. Outside direct
         mode the outcome's ``changes`` lists what the call did to the workspace.
 
+        ``workspace`` may be a Layer (``pool.layer``), or a layer's ``path``: the call runs in
+        it (its base plus the layer's changes; the base is never written), one call at a time
+        per layer, direct into the layer (``changes`` other than direct: ValueError). With a
+        ``view``, the layer is mounted at ``layer_at``, a directory of the view.
         ``session``: a shell session's id (sandbx_pool.sessions). A bash call starts in the
         cwd and with the exports the session's previous bash call left, and leaves its own
         for the next one (a call that does not end ``ok`` changes nothing); other tools run
@@ -407,6 +426,11 @@ class Pool:
         if session is not None:
             check_id(session)
         mode = change_mode(changes) if changes is not None else self.changes
+        layer = await self._layer_of(workspace, changes)
+        layer_mount = mount_point(layer, view, layer_at)
+        if layer is not None:
+            workspace = layer.path if view is None else None
+            mode = ChangeMode.DIRECT
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
@@ -426,6 +450,10 @@ class Pool:
         )
         call.on_output = on_output
         call.changes = mode
+        if layer is not None:
+            call.layer, call.layer_name = layer, layer.name
+            call.layer_dir, call.layer_base = layer.directory, layer.base
+            call.layer_mount = layer_mount
         run: Callable[[], Awaitable[Outcome]] = partial(self._run, call)
         release = None
         if session is not None:  # before the token: a refused reservation subscribes nothing
@@ -466,6 +494,20 @@ class Pool:
     # -- one call on this machine (its life around it: call_life) -----------------------------
 
     async def _run(self, call: CallState) -> Outcome:
+        if call.layer is None:
+            return await self._run_here(call)
+        # One call at a time in a layer, once the previous call's worker is gone (layers.py).
+        layer = call.layer
+        if not await layer.turn(call):
+            return call.killed_outcome()
+        try:
+            if not layer.open:  # removed (or its pool closing) while the call waited
+                return call.outcome(Status.ERROR, error=f"layer {layer.name!r} was removed")
+            return await self._run_here(call)
+        finally:
+            layer.leave(call)
+
+    async def _run_here(self, call: CallState) -> Outcome:
         # Checks that need no process, in order: nothing is forked for a refused call.
         if call.killer is not None:
             return call.killed_outcome()
@@ -495,6 +537,48 @@ class Pool:
         if call.changes_dir is not None:
             return await self._settle_changes(call, outcome)
         return msgspec.structs.replace(outcome, changes=[]) if tracked else outcome
+
+    # -- layers (sandbx_pool.layers) ------------------------------------------------------------
+
+    async def layer(self, name: str, base: str | os.PathLike[str] | None = None) -> Layer:
+        """The layer ``name`` of the pool's layer store (``[workspace] layers``): made over
+        ``base`` (a directory, never written: every call in the layer sees it plus the layer's
+        own changes), or, without ``base``, opened as a pool made it before. ValueError for a
+        name that is not plain, a base that is not a directory, lies in the store (or holds
+        it) or is not the one recorded; LayerUnavailable where no overlay mounts."""
+        if self.state is not PoolState.OPEN:
+            raise PoolClosed("the pool is not open")
+        return await self._layer_set().open(name, os.fspath(base) if base is not None else None)
+
+    def _layer_set(self) -> Layers:
+        if self._layers is None:
+            self._layers = Layers(
+                self.config.workspace.layers_dir(),
+                self._internal,
+                shared=bool(self.config.sandbox.run_as),
+                unavailable=self._why_no_layers,
+            )
+            self._hide(self._layers.store)
+        return self._layers
+
+    def _why_no_layers(self) -> str | None:
+        if self.views:
+            return None
+        containment = (self._template.containment if self._template else None) or "not started"
+        return (
+            "layers need a mount namespace per call (root with CAP_SYS_ADMIN, or user"
+            f" namespaces allowed); this pool's workers have none ({containment}): see"
+            " sandbx-pool doctor"
+        )
+
+    async def _layer_of(self, workspace: object, changes: str | None) -> Layer | None:
+        """The layer a call's ``workspace`` names (a Layer, or a layer's root path), or None."""
+        configured = self.config.workspace.layers_dir()
+        if not names_a_layer(workspace, configured, self._layers):
+            return None
+        layer = await self._layer_set().named_by(workspace, configured)
+        check_direct(layer, changes)
+        return layer
 
     # -- change sets (sandbx_pool.changes) ----------------------------------------------------
 
@@ -564,19 +648,27 @@ class Pool:
         )
 
     async def _internal(
-        self, call_id: str, tool: str, args: dict[str, Any], workspace: str
+        self,
+        call_id: str,
+        tool: str,
+        args: dict[str, Any],
+        workspace: str,
+        layer: tuple[str, str] | None = None,
+        read_only: tuple[str, ...] | None = None,
     ) -> Outcome:
         """Run one of the coordinator's own actions on a worker confined to ``workspace``,
-        the change sets' directory writable besides."""
+        the change sets' directory writable besides; or, for a layer's (``layer``: its
+        directory and base, mounted; ``read_only``: paths readable besides), nothing more."""
         call = CallState(call_id, tool, args, None, workspace=workspace)
+        if layer is not None:
+            call.layer_dir, call.layer_base = layer
         context = preflight.call_context(call, workspace, self._side())
-        store = self._changes_store()
         box = context.sandbox
-        call.context = msgspec.structs.replace(
-            context,
-            workspace=workspace,
-            sandbox=msgspec.structs.replace(box, writable=(*box.writable, store.root)),
-        )
+        if read_only is None:
+            box = msgspec.structs.replace(box, writable=(*box.writable, self._changes_store().root))
+        else:
+            box = msgspec.structs.replace(box, read_only=(*box.read_only, *read_only))
+        call.context = msgspec.structs.replace(context, workspace=workspace, sandbox=box)
         try:
             payload = encode_call(call)
             worker = await self._acquire(call)

@@ -113,6 +113,9 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
         grace_s=config.calls.grace_s,
         workspace_root=pool.workspace,
         changes_dir=call.changes_dir,
+        layer_dir=call.layer_dir,
+        layer_base=call.layer_base,
+        layer_mount=call.layer_mount,
         session_env=call.session_env,
     )
 

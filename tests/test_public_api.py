@@ -19,6 +19,8 @@ PUBLIC = [
     "JournalLocked",
     "JournalPolicy",
     "KilledBy",
+    "Layer",
+    "LayerUnavailable",
     "Limits",
     "Outcome",
     "OutputChunk",

@@ -46,7 +46,12 @@ pytestmark = [
 #: Small object stores: this machine holds two nodes beside the other engineers' tests.
 NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80_000_000}
 
-CONFIG = Config().override(env={"set": {MARKER: os.environ[MARKER]}}, pool={"workers": 3})
+#: The node pools' layer store (test_a_layer_runs_on_the_node_that_holds_it), removed at the end.
+LAYERS = tempfile.mkdtemp(prefix="sbx-ray-layers-")
+
+CONFIG = Config().override(
+    env={"set": {MARKER: os.environ[MARKER]}}, pool={"workers": 3}, workspace={"layers": LAYERS}
+)
 
 
 @pytest.fixture(autouse=True)
@@ -86,6 +91,7 @@ def cluster() -> Iterator[Cluster]:
             time.sleep(0.1)  # the outside world: Ray's processes being reaped
             left = leftover_processes(since)
         shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(LAYERS, ignore_errors=True)
         if made_address_dir:
             shutil.rmtree(address_dir, ignore_errors=True)
         assert not left, f"the Ray cluster left processes behind: {left}"
@@ -137,6 +143,24 @@ async def test_calls_spread_over_both_nodes_one_node_per_workspace(
     }
     assert len(nodes) == 18
     assert set(nodes.values()) == live_nodes()
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+async def test_a_layer_runs_on_the_node_that_holds_it(cluster: Cluster, root: Path) -> None:
+    base = root / "base"
+    base.mkdir()
+    (base / "a.txt").write_text("base\n")
+    async with RayPool(root, config=CONFIG) as pool:
+        paths = [await pool.layer(f"ray-{n}", base=base) for n in range(4)]
+        for n, path in enumerate(paths):
+            wrote = await pool.call("write", {"path": "a.txt", "content": str(n)}, workspace=path)
+            read = await pool.call("read", {"path": "a.txt"}, workspace=path)
+            assert (wrote.status, read.status) == (Status.OK, Status.OK), (wrote, read)
+            assert read.value is not None
+            assert read.value["content"] == str(n)
+            assert wrote.node == read.node == pool.nodes()[path]
+        assert {pool.nodes()[path] for path in paths} == live_nodes()
+    assert (base / "a.txt").read_text() == "base\n"
 
 
 async def test_a_workspace_cannot_leave_the_root(cluster: Cluster, root: Path) -> None:

@@ -96,6 +96,16 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: Tracked mode: where no overlay can be mounted, list the workspace before and after the
     #: tool instead (workers.changes.listing) and answer with the difference.
     changes_scan: bool = False
+    #: A call in a layer (sandbx_pool.layers): the layer's directory in the pool's layer store,
+    #: holding ``upper`` and ``work``. The worker mounts an overlay, lower = ``layer_base``
+    #: (read only), on the call's workspace (the layer's empty ``root``) before it confines
+    #: itself (workers.overlay.enter_layer). None: not in a layer.
+    layer_dir: str | None = None
+    #: The layer's base, as recorded when it was made (its real path).
+    layer_base: str | None = None
+    #: Where the layer is mounted, on the host: a directory inside the call's view (an
+    #: Inspect sample's working directory). None: on the workspace, the layer's root.
+    layer_mount: str | None = None
     #: A shell session's call (sandbx_pool.sessions): the variables the session exported so
     #: far, applied by bash on top of ``env`` once the worker is confined (never used to build
     #: the confinement itself), and bash reports the state it leaves (``Result.session``).

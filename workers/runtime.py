@@ -301,6 +301,16 @@ def _keep_changes_apart(call: Call, prepared: sandbox.Prepared) -> bool:
     return True
 
 
+def _enter_layer(call: Call, prepared: sandbox.Prepared) -> None:
+    """A call in a layer: its workspace becomes the layer's overlay (workers.overlay), before
+    anything else of the confinement, which then builds its rules on what the call sees. The
+    template's file rules hold the pool's own workspace: not this one."""
+    overlay.enter_layer(call.context, resolve=call.tool == "_layer_open")
+    if prepared.file_rules is not None:
+        prepared.file_rules.close()
+        prepared.file_rules = None
+
+
 def serve(
     token: str,
     endpoint: str,
@@ -375,10 +385,15 @@ def serve(
             # namespace of its own, where RLIMIT_NPROC counts this call's tasks only. The
             # outcome cannot name the limit then: nothing records a fork it refused.
             containment.limit_processes_in_own_user_namespace(processes)
+        if call.context.layer_dir is not None:
+            _enter_layer(call, prepared)
         listed = call.context.changes_dir is not None and not _keep_changes_apart(call, prepared)
         confinement = sandbox.confine(call, prepared, runs_programs=runs_programs)
     except (sandbox.SandboxError, overlay.OverlayError) as exc:
-        result = Result(call_id=call.context.call_id, status="error", error=str(exc))
+        code = exc.code if isinstance(exc, overlay.OverlayError) else None
+        result = Result(
+            call_id=call.context.call_id, status="error", error=str(exc), error_code=code
+        )
     else:
         before = changes.listing(call.context.workspace) if listed else None
         result = run_call(confinement.call)

@@ -236,12 +236,24 @@ class UndoChangesArgs(ToolArgs):
     objects: str
 
 
+class LayerOpenArgs(ToolArgs):
+    """Internal: the probe run in a new layer, mounted (workers.tools.layers)."""
+
+
+class LayerDiffArgs(ToolArgs):
+    """Internal: scan a layer's upper directory against its base, the call's workspace."""
+
+    upper: str
+
+
 #: Actions only the coordinator asks for (journal recovery, change sets); no caller can name
 #: them.
 INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "_remove_temps": RemoveTempsArgs,
     "_apply_changes": ApplyChangesArgs,
     "_undo_changes": UndoChangesArgs,
+    "_layer_open": LayerOpenArgs,
+    "_layer_diff": LayerDiffArgs,
 }
 
 #: Tools whose effects outlive the call: their journal intent is made durable before they run.

@@ -56,7 +56,9 @@ def enter(root: str) -> None:
     """Make ``root`` this process's ``/`` as the module docstring draws it. Irreversible; only
     in a mount namespace of the call's own (whose mounts do not propagate to the host's)."""
     skeleton(root)
-    _libc.mount(root, root, None, _libc.MS_BIND, None)
+    # Recursive: a layer mounted on one of V's own directories (an Inspect sample over a base:
+    # workers.overlay.enter_layer) comes along; nothing else is mounted below V.
+    _libc.mount(root, root, None, _libc.MS_BIND | _libc.MS_REC, None)
     for name in own_directories(root):
         path = os.path.join(root, name)
         _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)

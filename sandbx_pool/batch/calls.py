@@ -4,6 +4,7 @@ Each non-blank line of CALLS.jsonl is a JSON object::
 
     {"tool": "read", "args": {"path": "a.txt"}, "timeout": 5, "id": "c1", "cwd": "src",
      "after": ["c0"], "workspace": "episode-7", "changes": "transactional", "session": "ep7"}
+    {"tool": "bash", "args": {"command": "pytest"}, "base": "repos/django", "layer": "s-17"}
 
 ``tool`` is required; ``args`` defaults to ``{}``; ``timeout`` (seconds) defaults to the
 config's ``calls.timeout_s``; ``cwd`` to the workspace root. ``workspace`` names a folder under
@@ -18,6 +19,15 @@ run in file order (each comes ``after`` the session's previous line), and ``--re
 each session as the journal left it. ``after`` lists ids of *earlier*
 lines that must have finished (whatever their outcome) before this call starts: it orders a
 write before the edit of the same file, which parallel lanes would otherwise race.
+
+``layer`` runs the call in the pool's layer of that name (sandbx_pool.layers), made over
+``base`` by the first call that needs it (a folder under the workspace root, or an absolute
+path), opened as it is when it exists already (a run resumed, or a layer made earlier): many
+samples each starting from the same repository, each changing its own copy-on-write layer,
+the repository never written. Every line of a layer names the same ``base`` or none; a layer's
+calls run one at a time, whatever ``--parallel`` says; ``workspace`` and a ``changes`` other
+than direct do not go with ``layer``. The layers stay after the run (``Layer.diff`` lists what
+a sample changed; remove them with ``Layer.remove``).
 
 ``id`` is what ``--resume`` and the journal know the call by. Without one, the id is derived
 from the line's content, not its position: ``sha256`` of the canonical JSON of tool, args,
@@ -47,6 +57,7 @@ import msgspec
 
 from sandbx_pool.config import change_mode
 from sandbx_pool.errors import SandbxPoolError
+from sandbx_pool.layer_store import check_name
 from sandbx_pool.sessions import check_id
 from sandbx_pool.workers.schemas import TOOL_ARGS, UnknownTool, parse_args
 
@@ -61,6 +72,8 @@ LINE_KEYS: Final = (
     "meta",
     "workspace",
     "changes",
+    "layer",
+    "base",
     "session",
 )
 
@@ -85,6 +98,10 @@ class CallSpec(msgspec.Struct, frozen=True, kw_only=True):
     workspace: str | None = None
     #: The call's change mode, or None: the run's.
     changes: str | None = None
+    #: The layer the call runs in (sandbx_pool.layers), or None.
+    layer: str | None = None
+    #: Its base (relative: under the workspace root), as any line of the layer names it.
+    base: str | None = None
     #: The shell session it runs in (sandbx_pool.sessions), or None.
     session: str | None = None
 
@@ -122,6 +139,7 @@ def canonical_json(
     timeout_s: float | None,
     cwd: str | None,
     workspace: str | None = None,
+    layer: str | None = None,
     session: str | None = None,
 ) -> str:
     """The form hashed into a derived id: sorted keys, no spaces, timeout as a float."""
@@ -130,6 +148,8 @@ def canonical_json(
         content["cwd"] = cwd
     if workspace is not None:  # absent when not given: ids of older files stay the same
         content["workspace"] = workspace
+    if layer is not None:
+        content["layer"] = layer
     if session is not None:
         content["session"] = session
     return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -173,6 +193,7 @@ def parse_batch(lines: Iterable[bytes | str], path: str = "<calls>") -> BatchFil
                 latest[session] = spec.call_id
             seen_ids[spec.call_id] = number
             calls.append(spec)
+    calls = _same_bases(calls, problems)
     if problems:
         raise BatchFileError(path, problems[:MAX_REPORTED], len(problems))
     return BatchFile(path=path, calls=calls, warnings=_argument_warnings(calls))
@@ -220,10 +241,11 @@ def _parse_line(
             change_mode(changes)
         except ValueError as exc:
             raise _BadLine(f'"changes" {str(exc).removeprefix("changes ")}') from None
+    layer, base = _layer(item, workspace, changes)
     if "id" in item:
         call_id = _explicit_id(item["id"])
     else:
-        canonical = canonical_json(tool, args, timeout_s, cwd, workspace, session)
+        canonical = canonical_json(tool, args, timeout_s, cwd, workspace, layer, session)
         call_id = derived_id(canonical, occurrences[canonical])
         occurrences[canonical] += 1
     if call_id in seen_ids:
@@ -238,6 +260,8 @@ def _parse_line(
         after=after,
         workspace=workspace,
         changes=changes,
+        layer=layer,
+        base=base,
         session=session,
     )
 
@@ -249,6 +273,55 @@ def _session(value: Any) -> str | None:
         return check_id(value)
     except ValueError as exc:
         raise _BadLine(f'"session": {exc}') from None
+
+
+def _layer(
+    item: dict[str, Any], workspace: str | None, changes: Any
+) -> tuple[str | None, str | None]:
+    """A line's ``layer`` and ``base``, checked lexically (the pool checks the rest)."""
+    layer, base = item.get("layer"), item.get("base")
+    if layer is None:
+        if base is not None:
+            raise _BadLine('"base" needs "layer": the layer the call runs in over it')
+        return None, None
+    try:
+        check_name(layer)
+    except ValueError as exc:
+        raise _BadLine(f'"layer": {exc}') from None
+    if workspace is not None:
+        raise _BadLine('"workspace" and "layer" do not go together: a layer is a workspace')
+    if changes is not None and changes != "direct":
+        raise _BadLine(f'"changes" {changes!r} in a layer: its calls are direct into it')
+    if base is None:
+        return layer, None
+    if not isinstance(base, str) or not base or "\x00" in base:
+        raise _BadLine(f'"base" must be a non-empty path, got {base!r}')
+    if os.path.isabs(base):
+        return layer, os.path.normpath(base)
+    return layer, _workspace(base) or "."
+
+
+def _same_bases(calls: list[CallSpec], problems: list[LineProblem]) -> list[CallSpec]:
+    """Every line of a layer with its base (the one its lines name; two are a problem)."""
+    bases: dict[str, tuple[str, int]] = {}
+    for spec in calls:
+        if spec.layer is None or spec.base is None:
+            continue
+        known = bases.setdefault(spec.layer, (spec.base, spec.line))
+        if known[0] != spec.base:
+            problems.append(
+                LineProblem(
+                    spec.line,
+                    f"layer {spec.layer!r} is over {known[0]!r} (line {known[1]}), not"
+                    f" {spec.base!r}",
+                )
+            )
+    return [
+        msgspec.structs.replace(spec, base=bases[spec.layer][0])
+        if spec.layer is not None and spec.layer in bases
+        else spec
+        for spec in calls
+    ]
 
 
 def _workspace(value: Any) -> str | None:

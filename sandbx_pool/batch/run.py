@@ -100,8 +100,8 @@ class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
         by_id = {spec.call_id: spec for spec in calls}
         for call_id, recorded in reversed(self.workspaces.items()):
             spec = by_id.get(call_id)
-            if spec is None:
-                continue
+            if spec is None or spec.layer is not None:
+                continue  # gone from the file, or ran in a layer (its path is the store's)
             if spec.workspace is None:
                 return recorded
             suffix = os.sep + spec.workspace
@@ -243,7 +243,16 @@ async def run_batch(
                     on_submit(spec)
                 sink = _output_file(outputs, spec)
                 extra: dict[str, Any] = {}
-                if isinstance(pool, Pool):
+                if spec.layer is not None:
+                    try:
+                        extra["workspace"] = await _layer(pool, spec)
+                    except (ValueError, SandbxPoolError) as exc:
+                        if report.failure is None:
+                            report.failure = f"line {spec.line}: {exc}"
+                            logger.error("batch stopped at line {}: {}", spec.line, exc)
+                        halt.set()
+                        return
+                elif isinstance(pool, Pool):
                     extra["on_output"] = sink.write if sink is not None else None
                     if spec.workspace is not None:
                         extra["workspace"] = os.path.join(pool.workspace, spec.workspace)
@@ -253,6 +262,8 @@ async def run_batch(
                         extra["session"] = spec.session
                 else:  # a RayPool: workspaces by name, output only in the outcome
                     extra["workspace"] = spec.workspace
+                if isinstance(pool, Pool):
+                    extra["on_output"] = sink.write if sink is not None else None
                 try:
                     outcome = await pool.call(
                         spec.tool,
@@ -312,6 +323,17 @@ class _OutputFile:
 
 #: How an output file is made: a new file, never through a symlink or into a FIFO.
 _OUTPUT_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+async def _layer(pool: Pool | RayPool, spec: CallSpec) -> Any:
+    """The layer a line runs in (its path on a RayPool's node), made over its base by the
+    first line that needs it; a relative base is under the workspace root (batch.calls)."""
+    assert spec.layer is not None
+    root = pool.workspace if isinstance(pool, Pool) else pool.workspace_root
+    # Lexical: the base is a workspace, which only a worker touches.
+    joined = None if spec.base is None else os.path.join(root, spec.base)
+    base = None if joined is None else os.path.normpath(joined)  # noqa: ASYNC240
+    return await pool.layer(spec.layer, base=base)
 
 
 def _output_file(directory: int | None, spec: CallSpec) -> _OutputFile | None:

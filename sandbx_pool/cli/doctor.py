@@ -302,6 +302,14 @@ def diagnose(*, user_namespaces: bool = True) -> list[Check]:
             " error, never run direct); direct mode works",
         ),
         Check(
+            "overlayfs layers (pool.layer)",
+            bool(child.get("overlay")),
+            "pool.layer(name, base=DIR) makes copy-on-write workspaces: each call in a layer"
+            " mounts an overlay of DIR (read only) in its own mount namespace",
+            "pool.layer raises LayerUnavailable naming why (no mount namespace per call, or"
+            " no overlay mounts); the Inspect provider's base= and batch lines' base fail so",
+        ),
+        Check(
             "network namespaces",
             bool(child.get("network_namespaces")),
             "network = false also cuts UDP and raw traffic (ENETUNREACH)",

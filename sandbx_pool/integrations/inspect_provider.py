@@ -7,6 +7,8 @@
         read_file(file, text) ----> pool.call("read", {path, encoding: "bytes", user}, view=S)
         write_file(file, data) ---> pool.call("write", {path, content_bytes, user}, view=S)
       sample_cleanup -------------> rm -rf the sample directory (through the pool)
+      with base=DIR: sample_init makes the sample a layer over DIR (pool.layer), mounted on
+      its working directory in every call (layer_at=workdir); sample_cleanup removes it
       task_cleanup ---------------> rm -rf the task directory, close the Pool
 
 Two views, ``SandbxConfig.view``:
@@ -59,10 +61,11 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import load_config
 from sandbx_pool.integrations import inspect_cancel, inspect_eval
+from sandbx_pool.layers import Layer
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.pool import Pool
-from sandbx_pool.runtime_dir import owner_tag, remove_abandoned
+from sandbx_pool.runtime_dir import owner_is_dead, owner_tag, remove_abandoned
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES
 
 #: The pool's output cap: the largest file read_file can return in one message (the rest of a
@@ -121,6 +124,10 @@ class SandbxConfig(BaseModel):
     #: What the samples' calls may do to their files (sandbx_pool.changes): "transactional"
     #: keeps a timed-out or failed exec's writes out of the sample (None: the pool config's).
     changes: Literal["direct", "tracked", "transactional"] | None = None
+    #: A directory every sample starts from (a repository at its commit): each sample's
+    #: working directory is a layer of its own over it (sandbx_pool.layers), copy-on-write,
+    #: DIR never written. view="sample" only; the working directory is then the pool user's.
+    base: str | None = None
 
     @field_validator("workdir")
     @classmethod
@@ -130,6 +137,13 @@ class SandbxConfig(BaseModel):
         if not workdir.startswith("/") or top in ("", *_SYSTEM_NAMES) or "\x00" in workdir:
             raise ValueError(f"workdir must be an absolute path outside the system's: {workdir!r}")
         return normal
+
+    @field_validator("base")
+    @classmethod
+    def _check_base(cls, base: str | None) -> str | None:
+        if base is not None and (not base.startswith("/") or "\x00" in base):
+            raise ValueError(f"base must be an absolute path, not {base!r}")
+        return base
 
 
 class _Task:
@@ -171,6 +185,8 @@ def _key(settings: SandbxConfig) -> str:
 
 
 async def _open_task(settings: SandbxConfig) -> _Task:
+    if settings.base is not None and settings.view != "sample":
+        raise ValueError("sandbx: base= needs view='sample' (each sample's workdir a layer)")
     # Whole streams (Inspect's exec has its own limit, checked below), not head and tail;
     # stdout and stderr apart, as ExecResult has them (merge_stderr stays off).
     config = load_config(settings.pool_config).override(
@@ -208,6 +224,8 @@ async def _open_task(settings: SandbxConfig) -> _Task:
                 asyncio.to_thread(remove_abandoned, settings.root, TASK_DIR_PREFIX),
                 ABANDONED_SWEEP_S,
             )
+        if settings.base is not None:
+            await _remove_abandoned_layers(pool)
         template = os.path.join(settings.root, f"{TASK_DIR_PREFIX}{owner_tag()}-XXXXXX")
         made = await _check(pool, ["mktemp", "-d", template], cwd=settings.workspace)
         directory = made.stdout.strip()
@@ -219,6 +237,21 @@ async def _open_task(settings: SandbxConfig) -> _Task:
     if pool.journal is not None:  # once per task; each sample's log names it too
         inspect_eval.announce_journal(pool.journal.path)
     return _Task(settings, pool, directory)
+
+
+async def _remove_abandoned_layers(pool: Pool) -> None:
+    """The samples' layers of evals whose process is gone (killed: no cleanup ran). Named
+    ``<task directory>-sample-<random>`` (sample_init), the task directory naming its owner."""
+    store = pool.config.workspace.layers_dir()
+    try:
+        names = await asyncio.to_thread(os.listdir, store)  # the pool's own directory
+    except FileNotFoundError:
+        return
+    for name in names:
+        task_directory = name.rsplit("-sample-", 1)[0]
+        if name != task_directory and owner_is_dead(task_directory, TASK_DIR_PREFIX):
+            with contextlib.suppress(ValueError):  # open in another pool: not abandoned
+                await (await pool.layer(name)).remove()
 
 
 async def task_for(config: SandboxEnvironmentConfigType | None) -> _Task:
@@ -254,6 +287,7 @@ async def _exec(
     user: str | None = None,
     timeout: float | None = None,  # noqa: ASYNC109 (a kill deadline passed to the pool)
     view: str | None = None,
+    **options: Any,
 ) -> ExecResult[str]:
     if not argv:
         raise ValueError("cmd must name a program")
@@ -264,7 +298,9 @@ async def _exec(
         args["stdin_bytes"] = bytes(input)
     if user is not None:
         args["user"] = user
-    outcome = await _call(pool, "bash", args, timeout=timeout, cwd=cwd, env=env, view=view)
+    outcome = await _call(
+        pool, "bash", args, timeout=timeout, cwd=cwd, env=env, view=view, **options
+    )
     return _exec_result(outcome, user)
 
 
@@ -332,9 +368,14 @@ def _file_error(outcome: Outcome, file: str) -> OSError:
 class SandbxSandboxEnvironment(SandboxEnvironment):
     """One sample's view of its task's pool: its own directory, every call a worker."""
 
-    def __init__(self, task: _Task, directory: str) -> None:
+    def __init__(self, task: _Task, directory: str, layer: Layer | None = None) -> None:
         super().__init__()
         self.task = task
+        #: base=DIR: the sample's own layer, mounted on its working directory in every call.
+        self.layer = layer
+        self._in_layer: dict[str, Any] = (
+            {"workspace": layer, "layer_at": task.settings.workdir} if layer is not None else {}
+        )
         #: The sample's directory on the host: its view's root (view="sample"), or its working
         #: directory (view="host").
         self.directory = directory
@@ -369,9 +410,14 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
             owned = directory + task.settings.workdir
             script = 'chmod 755 "$1" && mkdir -p "$1/tmp" "$2" && chmod 1777 "$1/tmp"'
             await _check(task.pool, ["sh", "-c", script, "sh", directory, owned], cwd=root)
-        if task.settings.user is not None:
+        layer = None
+        if task.settings.base is not None:
+            # The layer is named after the sample's directory, unique on this machine.
+            name = f"{os.path.basename(task.directory)}-{os.path.basename(directory)}"
+            layer = await task.pool.layer(name, base=task.settings.base)
+        elif task.settings.user is not None:
             await _check(task.pool, ["chown", "--", task.settings.user, owned], cwd=root)
-        return {"default": cls(task, directory)}
+        return {"default": cls(task, directory, layer)}
 
     @classmethod
     async def sample_cleanup(
@@ -384,6 +430,8 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         for environment in environments.values():
             sample = environment.as_type(SandbxSandboxEnvironment)
             sample.task.samples -= 1
+            if sample.layer is not None:
+                await sample.layer.remove()
             await _check(
                 sample.task.pool,
                 ["rm", "-rf", "--", sample.directory],
@@ -443,6 +491,7 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
             user=user if user is not None else self.task.settings.user,
             timeout=timeout,
             view=self.view,
+            **self._in_layer,
         )
 
     async def write_file(self, file: str, contents: str | bytes) -> None:
@@ -457,6 +506,7 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
             timeout=HOUSEKEEPING_TIMEOUT_S,
             cwd=self.workdir,
             view=self.view,
+            **self._in_layer,
         )
         if outcome.status is Status.TIMEOUT:
             raise TimeoutError(f"writing {file} timed out")
@@ -480,6 +530,7 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
             timeout=HOUSEKEEPING_TIMEOUT_S,
             cwd=self.workdir,
             view=self.view,
+            **self._in_layer,
         )
         if outcome.status is Status.TIMEOUT:
             raise TimeoutError(f"reading {file} timed out")

@@ -159,6 +159,8 @@ class RayPool:
         self._live: dict[str, float] = {}
         self._live_at = -NODES_TTL_S
         self._flights: dict[str, _Flight] = {}
+        #: Paths of the layers made through this pool (RayPool.layer), each placed on its node.
+        self._layer_paths: set[str] = set()
         self._drivers: set[asyncio.Task[Outcome]] = set()
         self._ids = itertools.count(1)
         self._id_prefix = f"ray-{os.getpid():x}-{int(time.time()):x}"
@@ -236,7 +238,10 @@ class RayPool:
         if self.state is not RayPoolState.OPEN:
             raise PoolClosed("the pool is closed")
         check_call_arguments(timeout, cwd, env, None, call_id)
-        path = self.workspace_path(workspace)
+        # A layer's path (RayPool.layer) runs where the layer is, as its own placement.
+        in_layer = isinstance(workspace, str) and workspace in self._layer_paths
+        path = workspace if in_layer else self.workspace_path(workspace)
+        assert path is not None
         call_id = call_id or f"{self._id_prefix}-{next(self._ids)}"
         if call_id in self._flights:
             raise ValueError(f"call_id {call_id!r} is already in flight")
@@ -255,6 +260,21 @@ class RayPool:
             self._flights.pop(call_id, None)
             if unsubscribe is not None:
                 unsubscribe()
+
+    async def layer(self, name: str, base: str | os.PathLike[str] | None = None) -> str:
+        """Make or open the layer ``name`` (sandbx_pool.layers) on a node, placed as a
+        workspace is (sticky; the least loaded live node for a new one): its path there, which
+        ``call(workspace=...)`` then takes, and which runs on that node only. A layer lives in
+        that node's layer store: after a node is lost, its layers are gone with it."""
+        if self.state is not RayPoolState.OPEN:
+            raise PoolClosed("the pool is not open")
+        key = f"layer:{name}"
+        node = self._place(key)
+        base_path = os.path.abspath(os.fspath(base)) if base is not None else None  # noqa: ASYNC240
+        path: str = await self._handle(node).layer.remote(name, base_path)
+        self._layer_paths.add(path)
+        self.placement.node_of[path] = node
+        return path
 
     def workspace_path(self, workspace: str | None) -> str:
         """The absolute path of a workspace name: lexical, and never outside the root."""

@@ -66,6 +66,12 @@ class NodePool:
                 self._pool = pool
             return self._pool
 
+    async def layer(self, name: str, base: str | None = None) -> str:
+        """Make or open the layer ``name`` on this node (Pool.layer); its path, a workspace
+        valid on this node only."""
+        pool = await self._open_pool()
+        return (await pool.layer(name, base=base)).path
+
     async def call(
         self,
         tool: str,

@@ -91,6 +91,8 @@ class IntentRecord(Record, tag="intent", frozen=True, kw_only=True):
     workspace: str | None = None
     #: The call's change mode (sandbx_pool.changes); absent: direct.
     changes: str | None = None
+    #: The layer the call ran in (sandbx_pool.layers; ``workspace`` is its root); absent: none.
+    layer: str | None = None
     #: The shell session the call ran in (sandbx_pool.sessions); absent: none.
     session: str | None = None
 

@@ -178,6 +178,7 @@ class Journal:
         timeout_s: float | None,
         workspace: str | None = None,
         changes: str | None = None,
+        layer: str | None = None,
         session: str | None = None,
     ) -> None:
         """Journal a call about to be dispatched; return once it is as durable as required.
@@ -204,6 +205,7 @@ class Journal:
                 timeout_s=timeout_s,
                 workspace=workspace,
                 changes=changes,
+                layer=layer,
                 session=session,
             )
 

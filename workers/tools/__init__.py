@@ -16,6 +16,7 @@ from sandbx_pool.workers.tools.changes import apply_changes, undo_changes
 from sandbx_pool.workers.tools.files import edit_file, list_directory, read_file, write_file
 from sandbx_pool.workers.tools.find import find_paths
 from sandbx_pool.workers.tools.grep import grep_files
+from sandbx_pool.workers.tools.layers import diff_layer, open_layer
 from sandbx_pool.workers.tools.recovery import remove_temps
 
 ToolFunction = Callable[[Any, ExecutionContext], dict[str, Any]]
@@ -36,6 +37,8 @@ WORKER_ACTIONS: dict[str, ToolFunction] = {
     "_remove_temps": remove_temps,
     "_apply_changes": apply_changes,
     "_undo_changes": undo_changes,
+    "_layer_open": open_layer,
+    "_layer_diff": diff_layer,
 }
 
 __all__ = ["TOOLS", "WORKER_ACTIONS", "ToolFunction"]
