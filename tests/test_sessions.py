@@ -354,13 +354,17 @@ async def test_a_call_cancelled_while_waiting_its_turn_never_starts(pool: Pool) 
     waiting = asyncio.create_task(
         pool.call("bash", {"command": "export W=1"}, session="s", cancel=waiting_token, call_id="w")
     )
-    # Until its intent is on disk: from there its driver waits for the session's turn.
+    # Until its intent is durable: its driver was woken before our flush was, and it went on to
+    # wait for the session's turn.
     assert pool.journal is not None
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 20
-    while not any(r["call_id"] == "w" for r in journal_records(pool.journal.path)):
-        assert loop.time() < deadline, "the waiting call's intent never came"
+    while True:
         await pool.journal.flush()
+        if any(r["call_id"] == "w" for r in journal_records(pool.journal.path)):
+            break
+        assert loop.time() < deadline, "the waiting call's intent never came"
+    await pool.journal.flush()  # queued after the intent for sure: its waiter wakes after it
     for _ in range(3):
         await asyncio.sleep(0)
     waiting_token.cancel("not wanted")
