@@ -483,3 +483,24 @@ def test_declare_px_is_read_back_byte_for_byte() -> None:
         assert {k: v for k, v in parsed if k.startswith(b"V")} == env
     assert parse_declare(b"declare -x A=oops\n") is None
     assert parse_declare(b'declare -x A="unterminated\n') is None
+
+
+# -- a layer -----------------------------------------------------------------------------------
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+async def test_a_session_in_a_layer_keeps_its_cwd_there(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    (base / "src").mkdir(parents=True)
+    (tmp_path / "ws").mkdir()
+    config = marked_config(pool={"workers": 2}, workspace={"layers": str(tmp_path / "layers")})
+    async with Pool(tmp_path / "ws", config=config) as pool:
+        ws = await pool.layer("l1", base=str(base))
+        first = await pool.call(
+            "bash", {"command": "cd src; export L=1"}, workspace=ws, session="l"
+        )
+        assert first.status is Status.OK, first
+        again = await pool.call("bash", {"command": 'pwd; echo "$L"'}, workspace=ws, session="l")
+        assert _stdout(again) == f"{os.path.join(ws.path, 'src')}\n1\n"
+        with pytest.raises(ValueError, match="belongs to"):
+            await pool.call("bash", {"command": "true"}, session="l")
