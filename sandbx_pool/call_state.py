@@ -35,6 +35,8 @@ class CallState(CallLife):
         self.env = env
         self.limits = limits
         self.view = view
+        #: This call's network (Pool.call's ``network``), None: the pool's.
+        self.network: bool | tuple[str, ...] | None = None
         self.context: ExecutionContext | None = None
         self.worker: Worker | None = None
         self.assigned: asyncio.Future[Worker] = loop.create_future()

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from sandbx_pool import allow_list
 from sandbx_pool.errors import ConfigError
 from sandbx_pool.workers.hooks_path import TOKEN as HOOKS_PATH
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Limits, Sandbox
@@ -202,7 +203,12 @@ class SandboxSettings(_Section):
     filesystem: SandboxFilesystem = SandboxFilesystem.WORKSPACE
     read_only: list[AbsolutePath] = msgspec.field(default_factory=list)
     writable: list[AbsolutePath] = msgspec.field(default_factory=list)
-    network: bool = True
+    #: true: the host's network; false: none (a network namespace of the call's own, or
+    #: Landlock's TCP rules); a list of host patterns: only those, through the pool's proxy
+    #: (sandbx_pool.allow_list, sandbx_pool.proxy).
+    network: bool | list[str] = True
+    #: Names the proxy resolves itself, to these addresses (a local mirror; no DNS asked).
+    network_hosts: dict[str, str] = msgspec.field(default_factory=dict)
     run_as: str | None = None
     #: Globs relative to the workspace that no call may change (an empty list: none).
     protected: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PROTECTED))
@@ -214,6 +220,12 @@ class SandboxSettings(_Section):
     #: A pool without root makes each worker in a user namespace of its own, where the kernel
     #: allows (workers.containment.UserNamespaces); false: never, the fallbacks instead.
     user_namespaces: bool = True
+
+    def __post_init__(self) -> None:
+        # Checked (and made canonical) when the config is loaded, naming the bad pattern.
+        network = allow_list.parse_network(self.network)
+        self.network = network if isinstance(network, bool) else list(network)
+        self.network_hosts = allow_list.parse_hosts(self.network_hosts)
 
     def user(self) -> tuple[int, int, tuple[int, ...]] | None:
         """``run_as`` as (uid, gid, groups); a ConfigError if unknown or if we are not root."""
@@ -235,7 +247,8 @@ class SandboxSettings(_Section):
             filesystem=self.filesystem.value,
             read_only=tuple(self.read_only),
             writable=tuple(self.writable),
-            network=self.network,
+            network=self.network is not False,
+            network_allow=None if isinstance(self.network, bool) else tuple(self.network),
             tmp_root=tmp_root,
             hidden=hidden,
             uid=user[0] if user else None,

@@ -54,7 +54,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool import descriptors, preflight
+from sandbx_pool import allow_list, descriptors, preflight
 from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
@@ -71,6 +71,7 @@ from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputCallback
+from sandbx_pool.proxy_handle import ProxyHandle
 from sandbx_pool.remains import Remains, release
 from sandbx_pool.runtime_dir import (
     default_journal_path,
@@ -103,7 +104,7 @@ from sandbx_pool.workers.protocol import (
     Spawned,
     SpawnFailed,
 )
-from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
+from sandbx_pool.workers.schemas import RUNS_PROGRAMS, SIDE_EFFECT_TOOLS
 
 
 class PoolState(enum.IntEnum):
@@ -166,6 +167,8 @@ class Pool:
         self._remains = Remains()
         self._remains.workers = self._workers.by_token
         self._change_sets: ChangeSets | None = None
+        #: The network proxy (sandbx_pool.proxy), started by the first allow-listed call.
+        self._proxy: ProxyHandle | None = None
         self._finalizer = weakref.finalize(self, release, self._remains)
 
     def __repr__(self) -> str:
@@ -338,6 +341,8 @@ class Pool:
         if self._template is not None:
             await self._template.close()
         self._inbox.close()
+        if self._proxy is not None:
+            self._proxy.stop()
         if self.journal is not None:
             await self.journal.close()
         for worker in self._workers.by_token.values():
@@ -363,6 +368,7 @@ class Pool:
         view: str | None = None,
         workspace: str | None = None,
         changes: str | None = None,
+        network: bool | list[str] | tuple[str, ...] | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
 
@@ -382,6 +388,12 @@ class Pool:
         ``changes``: this call's change mode, ``"direct"``, ``"tracked"`` or
         ``"transactional"`` (default: the pool's); see sandbx_pool.changes. Outside direct
         mode the outcome's ``changes`` lists what the call did to the workspace.
+
+        ``network``: this call's network, replacing the pool's ``[sandbox] network``
+        whole (default: the pool's): True, False (none, even for hosts the pool's list
+        allows), or a list of host patterns (sandbx_pool.allow_list), its own list, not
+        the pool's narrowed. A bad pattern is a ValueError naming it. An allow-listed
+        call's outcome lists the hosts the proxy refused in ``value["network_denied"]``.
         """
         if self.state is PoolState.NEW:
             raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
@@ -391,6 +403,7 @@ class Pool:
             raise TemplateLost("the worker template died; open a new pool")
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
         mode = change_mode(changes) if changes is not None else self.changes
+        own_network = None if network is None else allow_list.parse_network(network)
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
@@ -410,6 +423,7 @@ class Pool:
         )
         call.on_output = on_output
         call.changes = mode
+        call.network = own_network
         unsubscribe = token_subscription(cancel, call)
         driver = asyncio.create_task(call.drive(self.journal, partial(self._run, call)))
         driver.set_name(call.call_id)
@@ -435,6 +449,10 @@ class Pool:
             store = self._changes_store() if keeps_changes else None
         except OSError as exc:
             return call.outcome(Status.ERROR, error=f"cannot keep the call's changes: {exc}")
+        try:
+            self._start_proxy_for(call)
+        except OSError as exc:
+            return call.outcome(Status.ERROR, error=f"cannot start the network proxy: {exc}")
         payload = preflight.prepare(call, self._side())
         if isinstance(payload, Outcome):
             return payload
@@ -636,7 +654,21 @@ class Pool:
     # -- helpers -----------------------------------------------------------------------------
 
     def _side(self) -> preflight.PoolSide:
-        return preflight.PoolSide(self.config, self.workspace, self._sandbox, self._gate)
+        proxy = self._proxy.path if self._proxy is not None else None
+        return preflight.PoolSide(self.config, self.workspace, self._sandbox, self._gate, proxy)
+
+    def _start_proxy_for(self, call: CallState) -> None:
+        """Start the network proxy if ``call`` is the first to need it (an allow-list on a tool
+        that runs programs: the file tools open no socket)."""
+        network = call.network if call.network is not None else self.config.sandbox.network
+        if isinstance(network, bool) or call.tool not in RUNS_PROGRAMS:
+            return
+        if self._proxy is None:
+            assert self._runtime_dir is not None
+            self._proxy = ProxyHandle(self._runtime_dir, self.config.sandbox.network_hosts)
+            self._remains.stoppers.append(self._proxy.stop)
+        if not self._proxy.running:
+            self._proxy.start()
 
     @property
     def interrupted(self) -> list[IntentRecord]:

@@ -39,6 +39,7 @@ class PoolSide:
     workspace: str  # the pool's own (a call may name another)
     sandbox: Sandbox | None  # the workers' sandbox, once the pool has started
     gate: Gate
+    proxy_socket: str | None = None  # the network proxy's, once a call needed it
 
 
 def check_call_arguments(
@@ -96,7 +97,7 @@ def prepare(call: CallState, pool: PoolSide) -> bytes | Outcome:
 
 def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
     """Everything the worker needs for this call, and nothing shared with another call."""
-    sandbox = pool.sandbox or Sandbox()
+    sandbox = with_network(pool.sandbox or Sandbox(), call.network, pool.proxy_socket)
     if call.view is not None:
         # The pool's lock directory is not in the view: a write there locks its directory.
         sandbox = msgspec.structs.replace(sandbox, view=call.view, lock_dir=None)
@@ -116,6 +117,21 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
     )
 
 
+def with_network(
+    sandbox: Sandbox, network: bool | tuple[str, ...] | None, proxy_socket: str | None
+) -> Sandbox:
+    """The pool's sandbox with this call's network: its own (Pool.call's ``network``) replaces
+    the pool's whole, True and False included; an allow-list's gets the proxy's socket."""
+    if network is not None:
+        allow = None if isinstance(network, bool) else network
+        sandbox = msgspec.structs.replace(
+            sandbox, network=network is not False, network_allow=allow
+        )
+    if sandbox.network_allow is not None:
+        sandbox = msgspec.structs.replace(sandbox, proxy_socket=proxy_socket)
+    return sandbox
+
+
 def max_output_bytes(config: Config, tool: str) -> int:
     """bash keeps head and tail and is killed only past max_output_bytes (a flood); the other
     tools return whole results, which keep_output_bytes bounds as it bounds bash's."""
@@ -125,4 +141,11 @@ def max_output_bytes(config: Config, tool: str) -> int:
     return min(calls.max_output_bytes, calls.keep_output_bytes)
 
 
-__all__ = ["PoolSide", "call_context", "check_call_arguments", "max_output_bytes", "prepare"]
+__all__ = [
+    "PoolSide",
+    "call_context",
+    "check_call_arguments",
+    "max_output_bytes",
+    "prepare",
+    "with_network",
+]
