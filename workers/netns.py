@@ -87,8 +87,8 @@ def enter(proxy_socket: str | None, allow: tuple[str, ...], call_id: str) -> Lin
     if error != 0:
         raise NetworkUnavailable(
             "network = [allow-list] needs a network namespace of the call's own, and unshare"
-            f" refused it ({os.strerror(error)}): run the pool as root, or where user"
-            " namespaces are allowed ([sandbox] user_namespaces)"
+            f" refused it ({os.strerror(error)}): it takes root with CAP_SYS_ADMIN (not a"
+            " container's root), or a pool whose workers get user namespaces"
         )
     control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:

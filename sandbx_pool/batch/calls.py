@@ -11,7 +11,9 @@ the run's workspace root (``--workspace``) that the call is confined to instead 
 a Ray cluster all calls of one workspace run on one node. ``meta`` is anything the file's
 author wants to keep with the line (an episode, a step); the runner ignores it. ``changes`` is
 the call's change mode (``direct``, ``tracked``, ``transactional``: sandbx_pool.changes; default
-``run --changes``, else the config's); it is not part of a derived id. Any other key is
+``run --changes``, else the config's); it is not part of a derived id. ``network`` is the
+call's network (``true``, ``false`` or a list of host patterns: ``Pool.call``'s ``network``,
+replacing the config's ``[sandbox] network``), not part of a derived id either. Any other key is
 an error, so that a typo ("timout") is not silently ignored. ``after`` lists ids of *earlier*
 lines that must have finished (whatever their outcome) before this call starts: it orders a
 write before the edit of the same file, which parallel lanes would otherwise race.
@@ -42,6 +44,7 @@ from typing import Any, Final
 
 import msgspec
 
+from sandbx_pool import allow_list
 from sandbx_pool.config import change_mode
 from sandbx_pool.errors import SandbxPoolError
 from sandbx_pool.workers.schemas import TOOL_ARGS, UnknownTool, parse_args
@@ -57,6 +60,7 @@ LINE_KEYS: Final = (
     "meta",
     "workspace",
     "changes",
+    "network",
 )
 
 #: Problems listed in a BatchFileError; a file wrong on every line needs no 20,000-line message.
@@ -80,6 +84,8 @@ class CallSpec(msgspec.Struct, frozen=True, kw_only=True):
     workspace: str | None = None
     #: The call's change mode, or None: the run's.
     changes: str | None = None
+    #: The call's network (sandbx_pool.allow_list), or None: the config's.
+    network: bool | tuple[str, ...] | None = None
 
 
 class LineProblem(msgspec.Struct, frozen=True):
@@ -195,6 +201,12 @@ def _parse_line(
             change_mode(changes)
         except ValueError as exc:
             raise _BadLine(f'"changes" {str(exc).removeprefix("changes ")}') from None
+    network = None
+    if item.get("network") is not None:
+        try:
+            network = allow_list.parse_network(item["network"], '"network"')
+        except ValueError as exc:
+            raise _BadLine(str(exc)) from None
     if "id" in item:
         call_id = _explicit_id(item["id"])
     else:
@@ -213,6 +225,7 @@ def _parse_line(
         after=after,
         workspace=workspace,
         changes=changes,
+        network=network,
     )
 
 

@@ -249,6 +249,8 @@ async def run_batch(
                         extra["workspace"] = os.path.join(pool.workspace, spec.workspace)
                     if spec.changes is not None:
                         extra["changes"] = spec.changes
+                    if spec.network is not None:
+                        extra["network"] = spec.network
                 else:  # a RayPool: workspaces by name, output only in the outcome
                     extra["workspace"] = spec.workspace
                 try:

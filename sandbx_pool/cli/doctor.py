@@ -308,6 +308,14 @@ def diagnose(*, user_namespaces: bool = True) -> list[Check]:
             "network = false blocks TCP only (Landlock), UDP still goes out",
         ),
         Check(
+            "network allow-list",
+            bool(child.get("network_namespaces")) and bool(child.get("mount_namespaces")),
+            "network = [hosts]: each call gets a network namespace with loopback only, its one"
+            " way out the pool's proxy, which lets through the listed names and nothing else",
+            "network = [hosts] is refused (each such call ends as error, never run online): it"
+            " needs network and mount namespaces; network = true or false work",
+        ),
+        Check(
             "no_new_privs",
             bool(child.get("no_new_privs")),
             "nothing a call execs gains privileges (setuid binaries, file capabilities)",
