@@ -104,7 +104,7 @@ from sandbx_pool.workers.protocol import (
     Spawned,
     SpawnFailed,
 )
-from sandbx_pool.workers.schemas import RUNS_PROGRAMS, SIDE_EFFECT_TOOLS
+from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
 
 
 class PoolState(enum.IntEnum):
@@ -658,10 +658,10 @@ class Pool:
         return preflight.PoolSide(self.config, self.workspace, self._sandbox, self._gate, proxy)
 
     def _start_proxy_for(self, call: CallState) -> None:
-        """Start the network proxy if ``call`` is the first to need it (an allow-list on a tool
-        that runs programs: the file tools open no socket)."""
+        """Start the network proxy if ``call`` is the first to need it (an allow-listed bash:
+        preflight.with_network says why no other tool)."""
         network = call.network if call.network is not None else self.config.sandbox.network
-        if isinstance(network, bool) or call.tool not in RUNS_PROGRAMS:
+        if isinstance(network, bool) or call.tool != preflight.PROXIED_TOOL:
             return
         if self._proxy is None:
             assert self._runtime_dir is not None

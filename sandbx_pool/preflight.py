@@ -30,6 +30,9 @@ from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.workers.protocol import ExecutionContext, Limits, Sandbox
 from sandbx_pool.workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
 
+#: The one tool an allow-list lets through the proxy (with_network).
+PROXIED_TOOL = "bash"
+
 
 @dataclass(frozen=True)
 class PoolSide:
@@ -97,7 +100,7 @@ def prepare(call: CallState, pool: PoolSide) -> bytes | Outcome:
 
 def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
     """Everything the worker needs for this call, and nothing shared with another call."""
-    sandbox = with_network(pool.sandbox or Sandbox(), call.network, pool.proxy_socket)
+    sandbox = with_network(pool.sandbox or Sandbox(), call, pool.proxy_socket)
     if call.view is not None:
         # The pool's lock directory is not in the view: a write there locks its directory.
         sandbox = msgspec.structs.replace(sandbox, view=call.view, lock_dir=None)
@@ -117,11 +120,17 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
     )
 
 
-def with_network(
-    sandbox: Sandbox, network: bool | tuple[str, ...] | None, proxy_socket: str | None
-) -> Sandbox:
+def with_network(sandbox: Sandbox, call: CallState, proxy_socket: str | None) -> Sandbox:
     """The pool's sandbox with this call's network: its own (Pool.call's ``network``) replaces
-    the pool's whole, True and False included; an allow-list's gets the proxy's socket."""
+    the pool's whole, True and False included; an allow-list's gets the proxy's socket.
+
+    Only bash reaches the network through an allow-list: grep's rg has no use for it, and is
+    cut off instead (``network = false``: no proxy to register with, and where no network
+    namespace can be made, Landlock's TCP rules hold it)."""
+    network = call.network
+    listed = isinstance(network, tuple) or (network is None and sandbox.network_allow is not None)
+    if listed and call.tool != PROXIED_TOOL:
+        network = False
     if network is not None:
         allow = None if isinstance(network, bool) else network
         sandbox = msgspec.structs.replace(
@@ -142,6 +151,7 @@ def max_output_bytes(config: Config, tool: str) -> int:
 
 
 __all__ = [
+    "PROXIED_TOOL",
     "PoolSide",
     "call_context",
     "check_call_arguments",
