@@ -22,6 +22,7 @@ SECTIONS = (
     "cluster",
     "oneshot",
     "changes",
+    "network",
 )
 
 
@@ -36,6 +37,8 @@ class Counts:
     cluster_calls: int = 800
     oneshot_runs: int = 20
     changes_calls: int = 300
+    network_calls: int = 300
+    network_downloads: int = 10
 
 
 QUICK = Counts(
@@ -48,6 +51,8 @@ QUICK = Counts(
     cluster_calls=80,
     oneshot_runs=6,
     changes_calls=60,
+    network_calls=60,
+    network_downloads=3,
 )
 
 
@@ -89,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster,
         hung,
         latency,
+        network,
         oneshot,
         report,
         search,
@@ -143,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                     result.oneshot = oneshot.run(ws, runs=counts.oneshot_runs)
                 elif section == "changes":
                     result.changes = changes.run(ws, calls=counts.changes_calls)
+                elif section == "network":
+                    result.network = network.run(
+                        ws, calls=counts.network_calls, downloads=counts.network_downloads
+                    )
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

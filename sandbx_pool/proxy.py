@@ -182,12 +182,12 @@ class Proxy:
             if len(link.tasks) >= MAX_CONNECTIONS_PER_CALL:
                 await _answer(writer, 503, "too many connections from this call at once")
                 return
-            link.tasks.add(task)  # type: ignore[arg-type]
+            link.tasks.add(task)
             await self._serve(link, reader, writer)
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
             pass
         finally:
-            link.tasks.discard(task)  # type: ignore[arg-type]
+            link.tasks.discard(task)
             writer.close()
 
     async def _serve(
@@ -259,8 +259,13 @@ class Proxy:
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    ready = loop.create_future()
-    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
     try:
         await ready
     finally:
