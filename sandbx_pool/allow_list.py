@@ -30,8 +30,9 @@ PLAIN_PORT = 80
 
 _LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)\Z")
 
-#: More patterns than this in one list is a mistake, not an allow-list (and bounds each Call).
-MAX_PATTERNS = 1000
+#: More patterns than this in one list is a mistake, not an allow-list; it also keeps the
+#: worker's registration within one unix datagram (workers.netns).
+MAX_PATTERNS = 256
 
 
 def is_address(text: str) -> bool:

@@ -42,7 +42,9 @@ to, loopback included: the user said so.
 
 **Bounded per call.** At most MAX_CONNECTIONS_PER_CALL connections of one call are served at
 once (more get 503 at once); a head must arrive within HEADER_TIMEOUT_S and fit in
-MAX_HEADER_BYTES. A call's flood or its slow clients fill its own slots, never another's.
+MAX_HEADER_BYTES; at most RESOLVING_PER_CALL of its lookups run at once, each within
+RESOLVE_TIMEOUT_S. A call's flood, its slow clients or its slow names fill its own slots, never
+another's.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import os
 import resource
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -74,6 +77,12 @@ CONNECT_TIMEOUT_S = 15.0
 MAX_CONNECTIONS_PER_CALL = 32
 #: Distinct refused hosts kept per call (the outcome's ``network_denied``).
 MAX_DENIED = 64
+#: Name lookups of one call at once, and how long one may take (then 504). Lookups run on
+#: threads (getaddrinfo blocks); a call whose names resolve slowly (a wildcard's random
+#: subdomains) holds two of them at most, never every other call's.
+RESOLVING_PER_CALL = 2
+RESOLVE_TIMEOUT_S = 10.0
+_RESOLVER_THREADS = 64
 _CHUNK = 64 * 1024
 _REGISTER_TIMEOUT_S = 5.0
 
@@ -86,6 +95,9 @@ class CallLink:
     allow: tuple[str, ...]
     denied: list[str] = field(default_factory=list)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    resolving: asyncio.Semaphore = field(
+        default_factory=lambda: asyncio.Semaphore(RESOLVING_PER_CALL)
+    )
 
     def deny(self, host: str) -> None:
         if host not in self.denied and len(self.denied) < MAX_DENIED:
@@ -139,7 +151,7 @@ class Proxy:
             conn.setblocking(False)
             async with asyncio.timeout(_REGISTER_TIMEOUT_S):
                 await _readable(loop, conn)
-            message, fds, _, _ = socket.recv_fds(conn, 256 * 1024, 1)
+            message, fds, _, _ = socket.recv_fds(conn, 128 * 1024, 1)
             if len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
@@ -214,7 +226,11 @@ class Proxy:
             await _answer(writer, 403, f"{request.host}:{request.port} is not on the allow-list")
             return
         try:
-            address = await self._resolve(request.host, request.port)
+            async with link.resolving, asyncio.timeout(RESOLVE_TIMEOUT_S):
+                address = await self._resolve(request.host, request.port)
+        except TimeoutError:
+            await _answer(writer, 504, f"resolving {request.host} took too long")
+            return
         except Refused as exc:
             link.deny(request.host)
             await _answer(writer, 403, str(exc))
@@ -319,6 +335,7 @@ async def _relay(
 
 async def _run(control: socket.socket, hosts: dict[str, str]) -> None:
     loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(_RESOLVER_THREADS, "resolve"))
     gone = loop.create_future()
 
     def on_stdin() -> None:

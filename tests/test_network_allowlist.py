@@ -545,3 +545,50 @@ def test_no_namespace_refuses_the_call_never_runs_it_online(tmp_path: Path) -> N
     assert done.stdout.startswith("error "), done.stderr
     assert "network namespace" in done.stdout
     assert not (workspace / "ran").exists()
+
+
+async def test_where_doctor_says_no_an_allow_listed_call_is_refused(
+    workspace: Path, tmp_path: Path
+) -> None:
+    """The environment's own answer: run the call if the doctor says the list holds here,
+    else the call must be refused, never run with the host's network."""
+    from conftest import doctor_checks
+
+    enforced = doctor_checks()["network allow-list"].ok
+    async with Pool(workspace, config=allow_config(["index.test"]), workers=1) as pool:
+        outcome = await pool.call("bash", {"command": "touch ran"}, timeout=60)
+        grep = await pool.call("grep", {"pattern": "hello"}, timeout=60)
+    if enforced:
+        assert outcome.status == "ok", outcome
+        assert (workspace / "ran").exists()
+    else:
+        assert outcome.status == "error", outcome
+        assert outcome.error is not None
+        assert "namespace" in outcome.error
+        assert not (workspace / "ran").exists()
+    # grep needs no network: under a list it gets none, and runs wherever network = false does.
+    assert grep.status == "ok", grep
+    assert grep.value is not None
+    assert grep.value["matches"][0]["path"] == "hello.txt"
+
+
+@needs_allow_list
+async def test_a_call_cannot_reach_the_proxys_own_socket(workspace: Path, server: Server) -> None:
+    """Registering a listener of its own would give a call any list it liked: the socket lies
+    in the runtime directory every call's mount namespace covers."""
+    async with Pool(workspace, config=allow_config([f"index.test:{server.port}"])) as pool:
+        first = await pool.call("bash", {"command": "true"}, timeout=60)
+        assert first.ok, first
+        assert pool._proxy is not None  # where the socket is: the test's only look inside
+        path = pool._proxy.path
+        assert Path(path).is_socket()  # noqa: ASYNC240 (a stat of our own runtime directory)
+        probe = (
+            f"{PYTHON} -c 'import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)"
+            f'; s.connect("{path}")\'; echo "rc=$?"; ls -l /proc/self/fd/ | grep -c socket'
+        )
+        outcome = await pool.call("bash", {"command": probe}, timeout=60)
+        assert outcome.value is not None
+        stdout = outcome.value["stdout"]
+        assert "rc=1" in stdout, outcome.value
+        assert "Error" in outcome.value["stderr"]  # ENOENT or EACCES: the directory is covered
+        assert stdout.split()[-1] == "0"  # no socket of the worker's leaked into the command
