@@ -122,6 +122,10 @@ class CallLife:
             await journal.settle(outcome)
         return outcome
 
+    def journaled_network(self) -> bool | list[str] | None:
+        """The call's own network, as its intent records it (None: the pool's)."""
+        return None
+
     async def _intent(self, journal: Journal | None) -> Outcome | None:
         """Journal the intent; the refusal outcome when a side effect could not be journaled."""
         if journal is None:
@@ -136,6 +140,7 @@ class CallLife:
                 timeout_s=self.timeout_s,
                 workspace=self.journaled_workspace(),
                 changes=None if self.changes is ChangeMode.DIRECT else str(self.changes),
+                network=self.journaled_network(),
             )
         except JournalWriteError as exc:
             # Fail closed: a side effect never starts without its durable intent. A read-only

@@ -49,6 +49,10 @@ class CallState(CallLife):
         #: (sandbx_pool.changes), made once the call passed its checks.
         self.changes_dir: str | None = None
 
+    def journaled_network(self) -> bool | list[str] | None:
+        network = self.network
+        return network if network is None or isinstance(network, bool) else list(network)
+
     def journaled_workspace(self) -> str | None:
         # A view's call: cwd and paths are the view's, the view is where they are.
         return self.view or self.workspace

@@ -592,3 +592,22 @@ async def test_a_call_cannot_reach_the_proxys_own_socket(workspace: Path, server
         assert "rc=1" in stdout, outcome.value
         assert "Error" in outcome.value["stderr"]  # ENOENT or EACCES: the directory is covered
         assert stdout.split()[-1] == "0"  # no socket of the worker's leaked into the command
+
+
+@needs_allow_list
+async def test_the_journal_keeps_the_calls_network_and_what_was_refused(
+    workspace: Path, tmp_path: Path, server: Server
+) -> None:
+    journal = tmp_path / "journal.jsonl"
+    curl = f"curl -sS -m 10 -o /dev/null http://evil.test:{server.port}/"
+    config = allow_config([f"index.test:{server.port}"])
+    async with Pool(workspace, journal=journal, config=config) as pool:
+        await pool.call("bash", {"command": curl}, call_id="pool-list", timeout=60)
+        await pool.call("bash", {"command": curl}, call_id="own", network=["a.test"], timeout=60)
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    intents = {r["call_id"]: r for r in records if r["kind"] == "intent"}
+    outcomes = {r["call_id"]: r for r in records if r["kind"] == "outcome"}
+    assert intents["pool-list"].get("network") is None  # the pool's config says it
+    assert intents["own"]["network"] == ["a.test"]
+    assert outcomes["pool-list"]["network_denied"] == ["evil.test"]
+    assert outcomes["own"]["network_denied"] == ["evil.test"]

@@ -91,6 +91,9 @@ class IntentRecord(Record, tag="intent", frozen=True, kw_only=True):
     workspace: str | None = None
     #: The call's change mode (sandbx_pool.changes); absent: direct.
     changes: str | None = None
+    #: The call's network when it had one of its own (Pool.call's ``network``); absent: the
+    #: pool's config's.
+    network: bool | list[str] | None = None
 
 
 class StartedRecord(Record, tag="started", frozen=True, kw_only=True):
@@ -120,6 +123,8 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
     node: str | None = None
     #: What the call did to the workspace (tracked, transactional): Outcome.changes.
     changes: list[dict[str, Any]] | None = None
+    #: The hosts the network proxy refused the call (an allow-list): value["network_denied"].
+    network_denied: list[str] | None = None
 
     @classmethod
     def from_outcome(cls, outcome: Outcome, *, time: float, limit: int) -> OutcomeRecord:
@@ -142,7 +147,14 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
             stuck_pid=outcome.stuck_pid,
             node=outcome.node,
             changes=outcome.changes,
+            network_denied=_denied(outcome.value),
         )
+
+
+def _denied(value: dict[str, Any] | None) -> list[str] | None:
+    """The outcome's ``network_denied``, kept whole (the proxy bounds it) past the summary."""
+    denied = value.get("network_denied") if value is not None else None
+    return [str(host) for host in denied] if isinstance(denied, list) else None
 
 
 class InDoubtRecord(Record, tag="in_doubt", frozen=True, kw_only=True):

@@ -175,6 +175,7 @@ class Journal:
         timeout_s: float | None,
         workspace: str | None = None,
         changes: str | None = None,
+        network: bool | list[str] | None = None,
     ) -> None:
         """Journal a call about to be dispatched; return once it is as durable as required.
 
@@ -200,6 +201,7 @@ class Journal:
                 timeout_s=timeout_s,
                 workspace=workspace,
                 changes=changes,
+                network=network,
             )
 
         if call_id in self._open_calls:
