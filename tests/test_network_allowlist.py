@@ -611,3 +611,40 @@ async def test_the_journal_keeps_the_calls_network_and_what_was_refused(
     assert intents["own"]["network"] == ["a.test"]
     assert outcomes["pool-list"]["network_denied"] == ["evil.test"]
     assert outcomes["own"]["network_denied"] == ["evil.test"]
+
+
+@needs_allow_list
+def test_a_batch_lines_network_is_the_calls(tmp_path: Path, server: Server) -> None:
+    from sandbx_pool.cli.main import main as cli_main
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    config = tmp_path / "config.toml"
+    config.write_text(
+        '[sandbox]\nnetwork = false\nnetwork_hosts = { "index.test" = "127.0.0.1" }\n'
+    )
+    curl = f"curl -sS -m 10 http://index.test:{server.port}/batch"
+    lines = [
+        {
+            "id": "listed",
+            "tool": "bash",
+            "args": {"command": curl},
+            "network": [f"index.test:{server.port}"],
+        },
+        {"id": "offline", "tool": "bash", "args": {"command": curl}},
+    ]
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    journal = tmp_path / "journal.jsonl"
+    args = ["-q", "run", str(calls), "--workspace", str(workspace), "--config", str(config)]
+    cli_main([*args, "--journal", str(journal)])
+    outcomes = {
+        r["call_id"]: r
+        for r in map(json.loads, journal.read_text().splitlines())
+        if r["kind"] == "outcome"
+    }
+    assert outcomes["listed"]["status"] == "ok"
+    assert outcomes["offline"]["status"] == "ok"  # bash ran; curl failed, offline
+    assert server.seen == [("/batch", f"index.test:{server.port}")]
+    # With --ray a line's network is refused, never ignored: the nodes' pools take the config's.
+    assert cli_main([*args, "--ray", "auto"]) == 2

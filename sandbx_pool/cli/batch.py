@@ -134,6 +134,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _usage_error("run", f"bad batch file:\n{exc}")
     except OSError as exc:
         return _usage_error("run", f"{args.calls}: {exc.strerror or exc}")
+    networked = next((spec for spec in batch.calls if spec.network is not None), None)
+    if getattr(args, "ray", None) and networked is not None:
+        # Never ignored in silence: a line asking for less network would run with more.
+        return _usage_error(
+            "run",
+            f'line {networked.line}: "network" is not taken with --ray (the nodes\' pools use'
+            " the config's [sandbox] network)",
+        )
     try:
         config = effective_config(args)
     except ConfigError as exc:
