@@ -5,7 +5,7 @@
       listen on 127.0.0.1:P, in that namespace                started by sandbx_pool.proxy_handle)
       connect <runtime dir>/proxy.sock -- SCM_RIGHTS -->    Register: call id, allow-list, and the
                                                             listening socket itself
-      <-- "ok" ----------------------------------------    accept on it (each connection made
+                                                            accept on it (each connection made
       bash: HTTP(S)_PROXY=http://127.0.0.1:P                  in the call's namespace, served here)
         connect 127.0.0.1:P ---------------------------->  head: CONNECT host:port, or a plain
                                                             request (absolute URI, or Host:)
@@ -147,6 +147,7 @@ class Proxy:
         """One call, from its worker's Register to its "done" (or the worker's end)."""
         loop = asyncio.get_running_loop()
         server = link = None
+        stack = contextlib.ExitStack()
         try:
             conn.setblocking(False)
             async with asyncio.timeout(_REGISTER_TIMEOUT_S):
@@ -158,6 +159,9 @@ class Proxy:
                 return
             listener = socket.socket(fileno=fds[0])
             listener.setblocking(False)
+            # Closed with this registration however it ends: a connection of the call's then
+            # meets a refusal, never a wait.
+            stack.callback(listener.close)
             register = json.loads(message)
             allow = tuple(allow_list.check_pattern(p, "allow") for p in register["allow"])
             link = CallLink(str(register["call_id"]), allow)
@@ -165,7 +169,6 @@ class Proxy:
             server = await asyncio.start_server(
                 partial(self._client, link), sock=listener, limit=MAX_HEADER_BYTES
             )
-            await loop.sock_sendall(conn, b"ok")
             await _readable(loop, conn)
             done = conn.recv(16) == b"done"
             server.close()
@@ -183,6 +186,7 @@ class Proxy:
                 for task in list(link.tasks):
                     task.cancel()
                 self.calls.pop(id(link), None)
+            stack.close()
             conn.close()
 
     async def _client(
