@@ -78,6 +78,9 @@ def parse_head(head: bytes) -> Request:
     """The request ``head`` (ending with its blank line) names; BadRequest if it is not one."""
     text = head.decode("latin-1")
     lines = text[: -len("\r\n\r\n")].split("\r\n")
+    if any("\r" in line or "\n" in line or "\0" in line for line in lines):
+        # A bare CR or LF ends a line for some servers and not others: nothing to forward.
+        raise BadRequest(400, "a bare CR, LF or NUL in the request head")
     parts = lines[0].split(" ")
     if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not parts[0].isalpha():
         raise BadRequest(400, "not an HTTP/1.x request line")

@@ -205,6 +205,7 @@ def test_the_proxy_reads_heads_strictly() -> None:
         (b"\x16\x03\x01garbage\r\n\r\n", 400),
         (b"GET http://user@index.test/ HTTP/1.1\r\n\r\n", 400),
         (b"GET / HTTP/1.1\r\nno colon here\r\n\r\n", 400),
+        (b"GET http://index.test/ HTTP/1.1\r\nX: a\nHost: evil.test\r\n\r\n", 400),
     ]:
         with pytest.raises(BadRequest) as caught:
             parse_head(head)
@@ -648,3 +649,11 @@ def test_a_batch_lines_network_is_the_calls(tmp_path: Path, server: Server) -> N
     assert server.seen == [("/batch", f"index.test:{server.port}")]
     # With --ray a line's network is refused, never ignored: the nodes' pools take the config's.
     assert cli_main([*args, "--ray", "auto"]) == 2
+
+
+def test_inspects_config_carries_the_samples_network() -> None:
+    provider = pytest.importorskip("sandbx_pool.integrations.inspect_provider")
+    settings = provider.SandbxConfig(network=("index.example.org", "*.files.example.org"))
+    assert hash(settings)  # Inspect keys its tasks by the config
+    assert provider.SandbxConfig.model_validate_json(settings.model_dump_json()) == settings
+    assert provider.SandbxConfig(network=False).network is False
