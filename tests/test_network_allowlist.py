@@ -657,3 +657,23 @@ def test_inspects_config_carries_the_samples_network() -> None:
     assert hash(settings)  # Inspect keys its tasks by the config
     assert provider.SandbxConfig.model_validate_json(settings.model_dump_json()) == settings
     assert provider.SandbxConfig(network=False).network is False
+
+
+@needs_allow_list
+async def test_a_call_in_a_view_goes_through_the_proxy_too(workspace: Path, server: Server) -> None:
+    """Inspect's samples run in a view: its mounts come first, the list must hold there too."""
+    (workspace / "sample" / "work").mkdir(parents=True)
+    command = (
+        f"curl -sS -m 10 http://index.test:{server.port}/view; curl -sS -m 10 -o /dev/null"
+        f" -w '%{{http_code}}' http://evil.test:{server.port}/"
+    )
+    async with Pool(workspace, config=allow_config([f"index.test:{server.port}"])) as pool:
+        if not pool.views:
+            pytest.skip("no views here")
+        outcome = await pool.call(
+            "bash", {"command": command}, view=str(workspace / "sample"), cwd="/work", timeout=60
+        )
+    assert outcome.value is not None, outcome
+    assert outcome.value["stdout"] == "index says hello\n403", outcome.value
+    assert outcome.value["network_denied"] == ["evil.test"]
+    assert server.seen == [("/view", f"index.test:{server.port}")]
