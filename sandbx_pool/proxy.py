@@ -40,6 +40,9 @@ rebinding) would reach the host's own services. The checked address is the one c
 a second lookup cannot swap it. Only a name pinned in ``network_hosts`` reaches what it is pinned
 to, loopback included: the user said so.
 
+**What it holds.** No capability (dropped at start, no_new_privs set, not dumpable): as root it
+is still uid 0, but without root's power over the machine.
+
 **Bounded per call.** At most MAX_CONNECTIONS_PER_CALL connections of one call are served at
 once (more get 503 at once); a head must arrive within HEADER_TIMEOUT_S and fit in
 MAX_HEADER_BYTES; at most RESOLVING_PER_CALL of its lookups run at once, each within
@@ -63,6 +66,7 @@ from functools import partial
 
 from sandbx_pool import allow_list
 from sandbx_pool.proxy_requests import BadRequest, Request, parse_head
+from sandbx_pool.workers import _libc
 
 #: A client's head (request line and headers) must arrive within this long: a slow client holds
 #: one of its call's slots for this long at most before it is answered 408.
@@ -358,7 +362,19 @@ async def _run(control: socket.socket, hosts: dict[str, str]) -> None:
     serving.cancel()
 
 
+def _shed_privileges() -> None:
+    """What this process needs is a socket or two and the resolver's files: no capability at
+    all. Dropped before any thread starts (each thread inherits its creator's sets), so that a
+    flaw in the parsing of what a hostile client sends gains nothing of root's power."""
+    with contextlib.suppress(OSError):
+        _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1)
+        _libc.capset(0)
+    with contextlib.suppress(OSError):
+        _libc.prctl(_libc.PR_SET_DUMPABLE, 0)
+
+
 def main(argv: list[str]) -> None:
+    _shed_privileges()
     control = socket.socket(fileno=int(argv[0]))
     hosts = json.loads(sys.stdin.buffer.readline() or b"{}")
     # Each call holds up to MAX_CONNECTIONS_PER_CALL * 2 descriptors here: take what we may.

@@ -593,6 +593,11 @@ async def test_a_call_cannot_reach_the_proxys_own_socket(workspace: Path, server
         assert "rc=1" in stdout, outcome.value
         assert "Error" in outcome.value["stderr"]  # ENOENT or EACCES: the directory is covered
         assert stdout.split()[-1] == "0"  # no socket of the worker's leaked into the command
+        # And the proxy itself holds no capability, whoever runs the pool.
+        assert pool._proxy.process is not None
+        status = Path(f"/proc/{pool._proxy.process.pid}/status").read_text()  # noqa: ASYNC240
+        assert "CapEff:\t0000000000000000" in status
+        assert "NoNewPrivs:\t1" in status
 
 
 @needs_allow_list
