@@ -169,7 +169,7 @@ def test_a_torn_last_line_is_drawn_up_to_it(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "torn last line" in done.stderr
     page = (tmp_path / "t.html").read_text()
-    assert "1 calls on 1 lanes" in page
+    assert "1 call on 1 worker slot over 1.00 s: 1 ok." in page
     assert "last line is torn" in page
 
 

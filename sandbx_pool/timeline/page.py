@@ -168,7 +168,9 @@ def _summary(timeline: Timeline) -> str:
     others = sorted(set(counts) - {name for name, _, _ in STATUSES})
     parts += "".join(f", {counts[name]} {name}" for name in others)
     span = timeline.end - timeline.start
-    text = f"{len(timeline.bars)} calls on {timeline.lanes} lanes over {span:.2f} s: {parts}."
+    calls = f"{len(timeline.bars)} call{'s' if len(timeline.bars) != 1 else ''}"
+    slots = f"{timeline.lanes} worker slot{'s' if timeline.lanes != 1 else ''}"
+    text = f"{calls} on {slots} over {span:.2f} s: {parts}."
     if timeline.torn_tail:
         text += " The journal's last line is torn (a killed run): drawn up to it."
     if timeline.corrupt_lines:
