@@ -20,18 +20,26 @@ each export gives up after ``export_timeout_s``, a full queue drops spans (the S
 rather than blocking, and the pool's close waits for the last flush at most ``export_timeout_s``
 plus a second, on a thread of its own: a shutdown stuck on the network is left behind, a
 daemon, rather than held up.
+
+The SDK reports a failed export through Python's ``logging``, once an export round (a second):
+where nobody configured logging, that is a line on stderr each second, through a batch's
+progress line. Then (and only then) its warnings go through this package's logger instead, at
+most one per ``WARN_EVERY_S``, counting the ones left out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from sandbx_pool.errors import ConfigError
+from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 
 if TYPE_CHECKING:
@@ -52,6 +60,9 @@ TEXT_CHARS: Final = 256
 #: The span of a call is named ``call <tool>``; a tool name is cut to this (the name is what
 #: collectors index, and a model may write any tool name).
 TOOL_CHARS: Final = 64
+
+#: At most one of the SDK's own warnings (a failed export, a full queue) this often.
+WARN_EVERY_S: Final = 30.0
 
 #: Extra seconds close() waits beyond the export timeout for the last flush and shutdown.
 CLOSE_GRACE_S: Final = 1.0
@@ -85,6 +96,7 @@ class Telemetry:
             )
         )
         self._tracer = self._provider.get_tracer("sandbx_pool")
+        _forward_sdk_warnings()
         self._parent: Any = None  # the open batch's context, if any
         self._error = StatusCode.ERROR
         self._in_context = set_span_in_context
@@ -141,6 +153,38 @@ class Telemetry:
         threading.Thread(target=shut, name="sandbx-telemetry-close", daemon=True).start()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(done), self.export_timeout_s + CLOSE_GRACE_S)
+
+
+class _Forward(logging.Handler):
+    """The SDK's warnings, through our logger, at most one per WARN_EVERY_S."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self._last = -math.inf
+        self._left_out = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        now = time.monotonic()
+        if now - self._last < WARN_EVERY_S:
+            self._left_out += 1
+            return
+        self._last, left_out, self._left_out = now, self._left_out, 0
+        more = f" (and {left_out} more since the last)" if left_out else ""
+        logger.warning("telemetry: {}{}", record.getMessage(), more)
+
+
+_forwarding = threading.Lock()
+
+
+def _forward_sdk_warnings() -> None:
+    """Route OpenTelemetry's logger to ours, once, unless the application configured logging
+    (a handler on the root or on ``opentelemetry``: then it is theirs to show)."""
+    sdk = logging.getLogger("opentelemetry")
+    with _forwarding:
+        if sdk.handlers or logging.getLogger().handlers:
+            return
+        sdk.addHandler(_Forward())
+        sdk.propagate = False
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

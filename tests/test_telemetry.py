@@ -322,3 +322,37 @@ async def test_spans_go_to_the_base_url_plus_v1_traces(
         # Exported on its schedule while the pool is open, not only at close.
         await wait_until(lambda: len(collector.spans) == 1, within_s=10, what="the span")
     assert collector.paths == ["/v1/traces"]
+
+
+def test_run_against_a_black_hole_says_so_once_and_finishes(
+    tmp_path: Path, black_hole: str
+) -> None:
+    from conftest import MARKER
+
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[env]\nset = {{ {MARKER} = "{os.environ[MARKER]}" }}\n'
+        f'[telemetry]\notlp_endpoint = "{black_hole}"\nexport_timeout_s = 0.3\n'
+    )
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text('{"tool": "bash", "args": {"command": "sleep 2.5"}}\n{"tool": "ls"}\n')
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    argv = ["run", str(calls), "--workspace", str(tmp_path), "--config", str(config)]
+    argv += ["--journal", str(tmp_path / "j.jsonl")]
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "sandbx_pool.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": path},
+        check=False,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert "2 call(s) run" in done.stdout
+    # Exports failed every second; the SDK's warning is shown once, through our logger.
+    warnings = [line for line in done.stderr.splitlines() if "export" in line.lower()]
+    assert len(warnings) == 1, done.stderr
+    assert "telemetry:" in warnings[0]
+    assert took < 2.5 + 0.3 + 1.0 + 8.0, took  # the calls, the bounded close, a start
