@@ -144,6 +144,8 @@ def test_a_call_without_outcome_runs_to_the_journal_end_in_doubt_or_not(tmp_path
     assert by_id["c-doubt"].status == IN_DOUBT  # a bash call may have run: in doubt
     assert by_id["c-read"].status == NO_OUTCOME  # a read may simply run again
     assert by_id["c-doubt"].end == by_id["c-read"].end == T0 + 5.0  # the journal's last record
+    assert by_id["c-doubt"].worker_pid == 999  # its started record's
+    assert by_id["c-read"].worker_pid is None  # no worker ever took it
     assert by_id["c-ok"].exit_code == 0
     assert by_id["c-ok"].worker_pid == 101
     assert by_id["c-stuck"].quarantined
@@ -242,7 +244,7 @@ def test_each_status_has_its_bar_and_says_so_in_the_browser(tmp_path: Path, chro
         "c-flood": ["output limit"],
         "c-crash": ["crashed"],
         "c-stuck": ["quarantined", "fuse"],
-        "c-doubt": ["in doubt"],
+        "c-doubt": ["in doubt", "worker pid 999"],
         "c-read": ["no outcome"],
         "c-ok": ["ok", "exit code 0", "worker pid 101", "1.000 s"],
         "c-error": ["old_string not found"],

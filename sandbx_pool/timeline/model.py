@@ -27,7 +27,7 @@ from typing import Any, Final
 import msgspec
 
 from sandbx_pool.journal.reader import JournalScan, call_ledger
-from sandbx_pool.journal.records import InDoubtRecord, IntentRecord, OutcomeRecord
+from sandbx_pool.journal.records import InDoubtRecord, IntentRecord, OutcomeRecord, StartedRecord
 
 #: The status of a bar whose call has no outcome and is in doubt (journal.reader.call_ledger).
 IN_DOUBT: Final = "in_doubt"
@@ -88,6 +88,7 @@ def build_timeline(scan: JournalScan) -> Timeline:
     open_attempts: dict[str, IntentRecord] = {}
     unfinished: list[tuple[IntentRecord, float]] = []
     latest: dict[str, IntentRecord] = {}
+    pids: dict[int, int] = {}  # id() of an open intent -> the worker its started record names
     last_time = 0.0
     for record in scan.records:
         call_id = record.call_id
@@ -96,6 +97,8 @@ def build_timeline(scan: JournalScan) -> Timeline:
             if earlier is not None:
                 unfinished.append((earlier, last_time))
             open_attempts[call_id] = latest[call_id] = record
+        elif isinstance(record, StartedRecord) and call_id in open_attempts:
+            pids[id(open_attempts[call_id])] = record.pid
         elif isinstance(record, OutcomeRecord):
             bars.append(_finished(record, open_attempts.pop(call_id, None)))
         elif isinstance(record, InDoubtRecord):
@@ -108,7 +111,7 @@ def build_timeline(scan: JournalScan) -> Timeline:
         # Only the call's latest attempt can be what keeps it in doubt; an earlier one was
         # followed by another attempt, whose fate is the call's.
         doubt = intent is latest[intent.call_id] and intent.call_id in doubted
-        bars.append(_unfinished(intent, until, in_doubt=doubt))
+        bars.append(_unfinished(intent, until, in_doubt=doubt, pid=pids.get(id(intent))))
     bars.sort(key=lambda bar: (bar.start, bar.end))
     placed, lanes = assign_lanes(bars)
     start = min((bar.start for bar in placed), default=0.0)
@@ -168,7 +171,7 @@ def _finished(outcome: OutcomeRecord, intent: IntentRecord | None) -> Bar:
     )
 
 
-def _unfinished(intent: IntentRecord, until: float, *, in_doubt: bool) -> Bar:
+def _unfinished(intent: IntentRecord, until: float, *, in_doubt: bool, pid: int | None) -> Bar:
     status = IN_DOUBT if in_doubt else NO_OUTCOME
     return Bar(
         call_id=intent.call_id,
@@ -177,6 +180,7 @@ def _unfinished(intent: IntentRecord, until: float, *, in_doubt: bool) -> Bar:
         start=intent.time,
         end=max(until, intent.time),
         reason="no outcome: the coordinator stopped before the call ended",
+        worker_pid=pid,
     )
 
 
