@@ -66,7 +66,7 @@ def find_chromium() -> str | None:
     return None
 
 
-def _run(args: list[str], page: str | os.PathLike[str], timeout_s: float) -> str:
+def _run(args: list[str], page: str | os.PathLike[str], timeout_s: float, query: str = "") -> str:
     browser = find_chromium()
     if browser is None:
         raise ChromiumMissing(
@@ -74,7 +74,7 @@ def _run(args: list[str], page: str | os.PathLike[str], timeout_s: float) -> str
             + ", ".join(CHROMIUM_NAMES)
             + " is on PATH; on Debian: apt-get install chromium)"
         )
-    url = Path(page).resolve().as_uri()
+    url = Path(page).resolve().as_uri() + (f"?{query}" if query else "")
     with tempfile.TemporaryDirectory(prefix="sandbx-chromium-") as profile:
         command = [browser, *FLAGS, f"--user-data-dir={profile}", *args, url]
         process = subprocess.Popen(
@@ -115,7 +115,9 @@ def screenshot(
     target = Path(png).resolve()
     with contextlib.suppress(FileNotFoundError):
         target.unlink()  # so that a file there afterwards is this run's
-    _run([f"--screenshot={target}", f"--window-size={width},{height}"], page, timeout_s)
+    # "?still": the page leaves out its zoom buttons, which a picture cannot press.
+    size = f"--window-size={width},{height}"
+    _run([f"--screenshot={target}", size], page, timeout_s, query="still")
     if not target.is_file() or target.stat().st_size == 0:
         raise ChromiumFailed(f"the browser wrote no screenshot to {target}")
 

@@ -43,10 +43,11 @@ STATUSES: Final = (
 )
 OTHER_COLOUR: Final = "#8d6e63"
 
-#: Pixels: a lane's height, the gap under it, the room above the lanes (axis) and below.
+#: Pixels: a lane's height, the gap under it, the room above the lanes (header, legend, axis;
+#: a picture has no zoom buttons) and below.
 ROW_PX: Final = 16
 GAP_PX: Final = 4
-TOP_PX: Final = 172
+TOP_PX: Final = 140
 BOTTOM_PX: Final = 24
 
 #: The page's width when rendered to a PNG (the timeline fits it at zoom 1).

@@ -112,6 +112,8 @@ SCRIPT: Final = r"""
   legendItem("quarantined (outlined)", "quarantined");
   legendItem("stopped (dark end mark)", "stopped");
 
+  if (/[?&]still\b/.test(location.search)) document.getElementById("controls").hidden = true;
+
   if (!bars.length) {
     var empty = document.createElement("p");
     empty.id = "empty";
