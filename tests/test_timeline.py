@@ -8,6 +8,7 @@ record; the page is opened in headless Chromium (``--dump-dom`` shows what its s
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from helpers import wait_until_sync
 
@@ -173,6 +175,23 @@ def test_a_torn_last_line_is_drawn_up_to_it(tmp_path: Path) -> None:
     page = (tmp_path / "t.html").read_text()
     assert "1 call on 1 worker slot over 1.00 s: 1 ok." in page
     assert "last line is torn" in page
+
+
+def test_times_no_clock_wrote_are_left_out_not_a_crash(tmp_path: Path) -> None:
+    journal = write_journal(tmp_path / "j.jsonl", call("a", 0, 1))
+    with journal.open("ab") as f:  # out of a double's range: a corrupt line, skipped
+        f.write(b'{"kind":"intent","call_id":"b","time":1e400,"tool":"bash","args":{},"cwd":"."}\n')
+        f.write(b'{"kind":"intent","call_id":"c","time":1e308,"tool":"bash","args":{},"cwd":"."}\n')
+    done = cli("journal", "timeline", str(journal), "-o", str(tmp_path / "t.html"))
+    assert done.returncode == 0, done.stderr
+    assert "corrupt lines skipped: 3" in done.stderr
+    # Records made in Python can hold what JSON cannot: infinite times are left out.
+    scan = read_journal(journal)
+    records = [*scan.records, intent("d", math.inf), outcome("e", 2, math.inf)]
+    timeline = build_timeline(msgspec.structs.replace(scan, records=records))
+    assert [bar.call_id for bar in timeline.bars] == ["a", "e", "c"]
+    assert timeline.bars[1].duration_s is None
+    assert "Infinity" not in render_page(timeline)
 
 
 # -- bad input ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ simply run again). Only this module decides what a bar is; the page (page.py) dr
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any, Final
 
 import msgspec
@@ -92,6 +93,8 @@ def build_timeline(scan: JournalScan) -> Timeline:
     last_time = 0.0
     for record in scan.records:
         call_id = record.call_id
+        if not math.isfinite(record.time):
+            continue  # a record no clock wrote (1e400 parses as inf): nowhere to draw it
         if isinstance(record, IntentRecord):
             earlier = open_attempts.pop(call_id, None)
             if earlier is not None:
@@ -151,14 +154,15 @@ def assign_lanes(bars: list[Bar]) -> tuple[list[Bar], int]:
 
 def _finished(outcome: OutcomeRecord, intent: IntentRecord | None) -> Bar:
     # Without its intent (a corrupt line), the outcome's duration says when the call began.
-    start = intent.time if intent is not None else outcome.time - outcome.duration_s
+    took = outcome.duration_s if math.isfinite(outcome.duration_s) else 0.0
+    start = intent.time if intent is not None else outcome.time - took
     return Bar(
         call_id=outcome.call_id,
         tool=outcome.tool,
         status=outcome.status,
         start=min(start, outcome.time),
         end=outcome.time,
-        duration_s=outcome.duration_s,
+        duration_s=outcome.duration_s if math.isfinite(outcome.duration_s) else None,
         killed_by=outcome.killed_by,
         reason=_clip(outcome.reason),
         error=_clip(outcome.error),
