@@ -279,6 +279,32 @@ def test_each_status_has_its_bar_and_says_so_in_the_browser(tmp_path: Path, chro
     assert 'class="bar quarantined"' in dom
 
 
+def chart_width(dom: str) -> float:
+    [width] = re.findall(r'<svg id="chart"[^>]* width="([\d.]+)"', dom)
+    return float(width)
+
+
+def test_zoom_lays_the_bars_out_wider(tmp_path: Path, chromium: str) -> None:
+    write_timeline(read_journal(every_status(tmp_path / "j.jsonl")), tmp_path / "t.html")
+    fitted = dump_dom(tmp_path / "t.html")
+    zoomed = dump_dom(tmp_path / "t.html", query="zoom=8")
+    assert 'data-zoom="1"' in fitted
+    assert 'data-zoom="8"' in zoomed
+    assert 7.5 < chart_width(zoomed) / chart_width(fitted) < 8.5
+    assert chart_width(fitted) < 1400  # fits the window: nothing to scroll
+    x = re.compile(
+        r'<rect [^>]*x="([\d.]+)"[^>]*data-status="timeout"|'
+        r'<rect [^>]*data-status="timeout"[^>]*x="([\d.]+)"'
+    )
+
+    def timeout_x(dom: str) -> float:
+        found = x.search(dom)
+        assert found is not None
+        return float(found.group(1) or found.group(2))
+
+    assert 7.5 < timeout_x(zoomed) / timeout_x(fitted) < 8.5
+
+
 def test_hostile_text_never_becomes_markup_in_the_browser(tmp_path: Path, chromium: str) -> None:
     records = [
         intent('"><img src=x onerror=alert(1)>', 0, tool="<svg/onload=alert(2)>"),

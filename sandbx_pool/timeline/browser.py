@@ -122,6 +122,9 @@ def screenshot(
         raise ChromiumFailed(f"the browser wrote no screenshot to {target}")
 
 
-def dump_dom(page: str | os.PathLike[str], *, timeout_s: float = RUN_TIMEOUT_S) -> str:
-    """The page's DOM, serialised, once its scripts have run (what a reader would see)."""
-    return _run(["--dump-dom", "--window-size=1400,900"], page, timeout_s)
+def dump_dom(
+    page: str | os.PathLike[str], *, query: str = "", timeout_s: float = RUN_TIMEOUT_S
+) -> str:
+    """The page's DOM, serialised, once its scripts have run (what a reader would see);
+    ``query``: the URL's, without its ``?``."""
+    return _run(["--dump-dom", "--window-size=1400,900"], page, timeout_s, query=query)

@@ -8,7 +8,8 @@
             dark mark at the end of a call that was stopped (cancelled, timeout, output limit,
             crashed)
         --> layout(): x and width of every rect at the current zoom, the time axis; called at
-            start, on zoom (buttons, ctrl + wheel, around the pointer) and on resize
+            start (zoomed by ``?zoom=N``), on zoom (buttons, ctrl + wheel, around the pointer)
+            and on resize; ``?still`` (a PNG) hides the zoom buttons
 
 Text from the journal goes into the DOM through ``textContent`` and ``setAttribute`` of
 numbers only: nothing a call wrote is ever parsed as markup. The script marks the body with
@@ -249,7 +250,11 @@ SCRIPT: Final = r"""
   });
   chart.addEventListener("mouseleave", function () { detail.style.display = "none"; });
 
+  // ?zoom=N opens the page zoomed in N times (a link to a close look; and how it is tested).
+  var asked = /[?&]zoom=(\d+(?:\.\d+)?)/.exec(location.search);
+  if (asked) zoom = Math.min(Math.max(Number(asked[1]), 1), MAX_WIDTH / span / scale());
   layout();
+  document.body.setAttribute("data-zoom", String(zoom));
   document.body.setAttribute("data-bars", String(rects.length));
   document.body.setAttribute("data-render-ms", String(Math.round(performance.now() - began)));
 })();
