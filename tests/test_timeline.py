@@ -222,6 +222,14 @@ def test_no_output_named_is_a_usage_error(tmp_path: Path) -> None:
     assert "-o FILE.html" in done.stderr
 
 
+def test_a_page_that_cannot_be_written_is_exit_2_leaving_nothing(tmp_path: Path) -> None:
+    journal = write_journal(tmp_path / "j.jsonl", call("a", 0, 1))
+    done = cli("journal", "timeline", str(journal), "-o", str(tmp_path / "no" / "t.html"))
+    assert done.returncode == 2
+    assert "No such file or directory" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["j.jsonl"]
+
+
 def test_journal_show_points_at_the_timeline(tmp_path: Path) -> None:
     journal = write_journal(tmp_path / "j.jsonl", call("a", 0, 1))
     done = cli("journal", "show", str(journal))
