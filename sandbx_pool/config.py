@@ -13,6 +13,7 @@ import pwd
 import re
 import tomllib
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta
@@ -110,6 +111,35 @@ class JournalSettings(_Section):
     default_keep_days: Annotated[float, Meta(gt=0)] = 7.0
     #: ...and the oldest of them beyond this many.
     default_keep_count: Annotated[int, Meta(ge=1)] = 100
+
+
+class TelemetrySettings(_Section):
+    """OpenTelemetry (sandbx_pool.telemetry): off unless ``otlp_endpoint`` is set."""
+
+    #: The collector's base URL, ``http://host:4318``: spans go to ``<it>/v1/traces``.
+    otlp_endpoint: str | None = None
+    #: One export's deadline; a dead collector costs spans, never a call's time.
+    export_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 2.0
+    #: The ``service.name`` of every span.
+    service_name: Annotated[str, Meta(min_length=1)] = "sandbx-pool"
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint is None:
+            return
+        parsed = urlsplit(self.otlp_endpoint)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(
+                f"otlp_endpoint: {self.otlp_endpoint!r} is not an http(s)://host:port URL"
+            )
+        try:
+            parsed.port  # noqa: B018 (it raises for a port out of range or not a number)
+        except ValueError:
+            raise ValueError(f"otlp_endpoint: {self.otlp_endpoint!r}: not a valid port") from None
+        if parsed.query or parsed.fragment:
+            raise ValueError(
+                f"otlp_endpoint: {self.otlp_endpoint!r}: a base URL, without ? or #"
+                " (/v1/traces is appended)"
+            )
 
 
 class EnvSettings(_Section):
@@ -269,6 +299,7 @@ class Config(_Section):
     gate: GateSettings = msgspec.field(default_factory=GateSettings)
     sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)
     workspace: WorkspaceSettings = msgspec.field(default_factory=WorkspaceSettings)
+    telemetry: TelemetrySettings = msgspec.field(default_factory=TelemetrySettings)
 
     def workers(self) -> int:
         if self.pool.workers is not None:

@@ -92,6 +92,7 @@ from sandbx_pool.scheduling_actions import (
     Signal,
     Watch,
 )
+from sandbx_pool.telemetry import Telemetry, open_telemetry
 from sandbx_pool.template_handle import TemplateHandle
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck, signal_worker
 from sandbx_pool.worker_set import WorkerSet
@@ -148,6 +149,8 @@ class Pool:
         self._lock_dir: str | None = None
         self.state = PoolState.NEW
         self.journal: Journal | None = None
+        #: Spans of its calls, when ``[telemetry] otlp_endpoint`` is set (telemetry.py).
+        self.telemetry: Telemetry | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runtime_dir: str | None = None
         self._template: TemplateHandle | None = None
@@ -187,6 +190,8 @@ class Pool:
         if self.state is not PoolState.NEW:
             raise PoolClosed("a pool is started once")
         self._loop = asyncio.get_running_loop()
+        # First: a missing extra is a ConfigError before anything is made.
+        self.telemetry = open_telemetry(self.config.telemetry)
         # Before anything is opened: libzmq aborts the process when it runs out (descriptors.py).
         inherited_nofile = descriptors.raise_soft_limit()
         self._runtime_dir = make_private_dir()
@@ -345,6 +350,8 @@ class Pool:
             self._proxy.stop()
         if self.journal is not None:
             await self.journal.close()
+        if self.telemetry is not None:
+            await self.telemetry.close()  # bounded: a dead collector does not hold close()
         for worker in self._workers.by_token.values():
             worker.stop_watching()
             if worker.state is WorkerState.QUARANTINED:
@@ -425,7 +432,8 @@ class Pool:
         call.changes = mode
         call.network = own_network
         unsubscribe = token_subscription(cancel, call)
-        driver = asyncio.create_task(call.drive(self.journal, partial(self._run, call)))
+        run = partial(self._run, call)
+        driver = asyncio.create_task(call.drive(self.journal, run, self.telemetry))
         driver.set_name(call.call_id)
         self._drivers.add(driver)
         driver.add_done_callback(self._drivers.discard)

@@ -31,6 +31,7 @@ The pool is a ``Pool`` or an ``integrations.ray.RayPool`` (``run --ray``): a lin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import time
@@ -281,10 +282,19 @@ async def run_batch(
                 if (event := finished.get(spec.call_id)) is not None:
                     event.set()
 
+    # The batch's span (when the pool sends spans): each call's span is its child.
+    span = (
+        contextlib.nullcontext()
+        if pool.telemetry is None
+        else pool.telemetry.batch(
+            "sandbx-pool run", **{"sandbx.calls": len(todo), "sandbx.skipped": report.skipped}
+        )
+    )
     try:
-        async with asyncio.TaskGroup() as lanes:
-            for number in range(min(parallel, len(todo))):
-                lanes.create_task(lane(), name=f"batch-lane-{number}")
+        with span:
+            async with asyncio.TaskGroup() as lanes:
+                for number in range(min(parallel, len(todo))):
+                    lanes.create_task(lane(), name=f"batch-lane-{number}")
     finally:
         if outputs is not None:
             os.close(outputs)
