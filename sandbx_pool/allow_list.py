@@ -66,7 +66,8 @@ def check_pattern(pattern: object, where: str) -> str:
     if not isinstance(pattern, str):
         raise ValueError(f"{where}: a host pattern must be a string, not {pattern!r}")
     host, sep, port = pattern.rpartition(":") if ":" in pattern else (pattern, "", "")
-    valid_port = port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536
+    # isascii() first: isdigit() takes "²" for a digit, which int() then refuses.
+    valid_port = port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536
     if sep and not (valid_port and port == str(int(port))):
         raise ValueError(f"{where}: {pattern!r} is not a host name[:port]")
     wildcard = host.startswith("*.")

@@ -61,7 +61,13 @@ def _authority(text: str, *, default_port: int | None) -> tuple[str, int]:
         if default_port is None:
             raise BadRequest(400, f"CONNECT needs host:port, not {text!r}")
         port = default_port
-    elif port_text.isdigit() and len(port_text) <= 5 and 0 < int(port_text) < 65536:
+    # isdigit() alone takes "\xb2" (a latin-1 superscript) for a digit, and int() then raises.
+    elif (
+        port_text.isascii()
+        and port_text.isdigit()
+        and len(port_text) <= 5
+        and 0 < int(port_text) < 65536
+    ):
         port = int(port_text)
     else:
         raise BadRequest(400, f"{text!r}: not host:port")

@@ -155,6 +155,7 @@ async def run_client(pool: Pool, workspace: Path, asks: list[tuple[str, str, str
         "-a.org",
         "*",
         "a..b",
+        "a.org:\u00b2",
     ],
 )
 def test_a_pattern_that_is_not_a_host_name_is_a_config_error_naming_it(bad: str) -> None:
@@ -206,6 +207,11 @@ def test_the_proxy_reads_heads_strictly() -> None:
         (b"GET http://user@index.test/ HTTP/1.1\r\n\r\n", 400),
         (b"GET / HTTP/1.1\r\nno colon here\r\n\r\n", 400),
         (b"GET http://index.test/ HTTP/1.1\r\nX: a\nHost: evil.test\r\n\r\n", 400),
+        # A latin-1 superscript is a digit to isdigit(), not to int(): a refusal, not a crash
+        # of the connection's task (a traceback on the pool's stderr per connection).
+        (b"CONNECT index.test:\xb2 HTTP/1.1\r\n\r\n", 400),
+        (b"GET http://index.test:\xb9/ HTTP/1.1\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nHost: index.test:\xb3\r\n\r\n", 400),
     ]:
         with pytest.raises(BadRequest) as caught:
             parse_head(head)
