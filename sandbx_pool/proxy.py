@@ -102,6 +102,14 @@ class CallLink:
     resolving: asyncio.Semaphore = field(
         default_factory=lambda: asyncio.Semaphore(RESOLVING_PER_CALL)
     )
+    #: The call has ended: a connection accepted just before, whose task had not yet run when
+    #: the call's tasks were cancelled, is closed unserved rather than tunnelled past its call.
+    ended: bool = False
+
+    def end(self) -> None:
+        self.ended = True
+        for task in list(self.tasks):
+            task.cancel()
 
     def deny(self, host: str) -> None:
         if host not in self.denied and len(self.denied) < MAX_DENIED:
@@ -177,8 +185,7 @@ class Proxy:
             done = conn.recv(16) == b"done"
             server.close()
             server = None
-            for task in list(link.tasks):
-                task.cancel()
+            link.end()
             if done:
                 await loop.sock_sendall(conn, json.dumps({"denied": link.denied}).encode())
         except (OSError, ValueError, KeyError, TypeError, TimeoutError):
@@ -187,8 +194,7 @@ class Proxy:
             if server is not None:
                 server.close()
             if link is not None:
-                for task in list(link.tasks):
-                    task.cancel()
+                link.end()
                 self.calls.pop(id(link), None)
             stack.close()
             conn.close()
@@ -199,6 +205,8 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         try:
+            if link.ended:
+                return
             if len(link.tasks) >= MAX_CONNECTIONS_PER_CALL:
                 await _answer(writer, 503, "too many connections from this call at once")
                 return

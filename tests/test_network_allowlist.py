@@ -28,7 +28,7 @@ from conftest import marked_config
 from sandbx_pool import ConfigError, Pool
 from sandbx_pool.allow_list import parse_network, permits
 from sandbx_pool.batch.calls import BatchFileError, parse_batch
-from sandbx_pool.proxy import MAX_CONNECTIONS_PER_CALL, reachable
+from sandbx_pool.proxy import MAX_CONNECTIONS_PER_CALL, CallLink, Proxy, reachable
 from sandbx_pool.proxy_requests import BadRequest, parse_head
 
 PYTHON = "/usr/bin/python3"
@@ -688,3 +688,25 @@ async def test_a_call_in_a_view_goes_through_the_proxy_too(workspace: Path, serv
     assert outcome.value["stdout"] == "index says hello\n403", outcome.value
     assert outcome.value["network_denied"] == ["evil.test"]
     assert server.seen == [("/view", f"index.test:{server.port}")]
+
+
+async def test_a_connection_accepted_as_its_call_ends_is_never_served(server: Server) -> None:
+    """The call's end cancels its connections' tasks; one accepted in the same turn of the
+    loop, whose task had not run yet, is not among them: it must not tunnel past its call."""
+    proxy = Proxy({"index.test": "127.0.0.1"})
+    link = CallLink("c1", (f"index.test:{server.raw_port}",))
+    ours, theirs = socket.socketpair()
+    with ours:
+        ours.sendall(f"CONNECT index.test:{server.raw_port} HTTP/1.1\r\n\r\nping".encode())
+        reader, writer = await asyncio.open_connection(sock=theirs)
+        link.ended = True  # the call ended before this connection's task first ran
+        await asyncio.wait_for(proxy._client(link, reader, writer), 5)
+        ours.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:  # closed unanswered: an EOF, or a reset (what it sent was never read)
+            answer = await asyncio.wait_for(loop.sock_recv(ours, 4096), 5)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b""
+    assert server.raw_connections == 0
+    assert not link.tasks
