@@ -23,7 +23,10 @@ own connections out are made. No forwarder runs in the call (nothing to kill, no
 command could take over), and each connection is the call's by construction: the listener it
 came through is registered under the call's id. The control socket lies in the pool's runtime
 directory, which every call's mount namespace covers (a call cannot register a listener of its
-own with a wider list: the worker refuses an allow-list where no mount namespace hides it).
+own with a wider list: the worker refuses an allow-list where no mount namespace hides it). A
+registration is served only from a process descending from this proxy's pool, and only for a
+listening TCP socket: another pool's call, whose namespace covers its own runtime directory
+and not this one, may reach the socket by path but gets nothing from it.
 
 **Why a process, not a thread of the coordinator.** A flood of connections through the proxy
 costs CPU in the proxy; in a thread it would take the GIL from the coordinator's event loop
@@ -59,6 +62,7 @@ import json
 import os
 import resource
 import socket
+import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,6 +70,7 @@ from functools import partial
 
 from sandbx_pool import allow_list
 from sandbx_pool.proxy_requests import BadRequest, Request, parse_head
+from sandbx_pool.runtime_dir import parent_pid
 from sandbx_pool.workers import _libc
 
 #: A client's head (request line and headers) must arrive within this long: a slow client holds
@@ -89,6 +94,8 @@ RESOLVE_TIMEOUT_S = 10.0
 _RESOLVER_THREADS = 64
 _CHUNK = 64 * 1024
 _REGISTER_TIMEOUT_S = 5.0
+#: A worker is the pool's grandchild (pool, template, worker): far fewer steps than this.
+_MAX_ANCESTRY = 16
 
 
 @dataclass
@@ -174,6 +181,8 @@ class Proxy:
             # Closed with this registration however it ends: a connection of the call's then
             # meets a refusal, never a wait.
             stack.callback(listener.close)
+            if not (_from_our_pool(conn) and _a_call_listener(listener)):
+                return
             register = json.loads(message)
             allow = tuple(allow_list.check_pattern(p, "allow") for p in register["allow"])
             link = CallLink(str(register["call_id"]), allow)
@@ -288,6 +297,29 @@ class Proxy:
         if not addresses:
             raise OSError(f"no address for {host}")
         return addresses[0]
+
+
+def _from_our_pool(conn: socket.socket) -> bool:
+    """Whether the registering process descends from this proxy's pool (its parent). Another
+    pool's call that reaches this socket by path (pools of one user whose runtime directories
+    differ, so its mount namespace covers its own only) must not register a listener of its own
+    with a list of its own: it would be a way out of a ``network = false`` call."""
+    pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    pool = os.getppid()
+    for _ in range(_MAX_ANCESTRY):
+        if pid == pool:
+            return True
+        parent = parent_pid(pid) if pid > 1 else None
+        if parent is None:
+            return False
+        pid = parent
+    return False
+
+
+def _a_call_listener(listener: socket.socket) -> bool:
+    """What workers.netns sends: a listening TCP socket (of the call's namespace). Anything
+    else (a unix socket, which would reach the host's namespace from anywhere) is not served."""
+    return listener.family == socket.AF_INET and listener.type == socket.SOCK_STREAM
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

@@ -11,10 +11,12 @@ import asyncio
 import http.server
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -710,3 +712,56 @@ async def test_a_connection_accepted_as_its_call_ends_is_never_served(server: Se
         assert answer == b""
     assert server.raw_connections == 0
     assert not link.tasks
+
+
+# A call's forged registration: a unix listener of its own (autobound, abstract), handed to the
+# proxy at argv[1] with a list of its own, then a request through it. Prints what came back.
+FORGER = textwrap.dedent(
+    """
+    import json, socket, sys
+    path, port = sys.argv[1], int(sys.argv[2])
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("")
+    listener.listen(8)
+    control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    control.connect(path)
+    forged = json.dumps({"call_id": "forged", "allow": [f"evil.test:{port}"]}).encode()
+    socket.send_fds(control, [forged], [listener.fileno()])
+    control.settimeout(5)
+    try:
+        print("refused" if control.recv(16) == b"" else "answered")
+    except TimeoutError:
+        print("kept")  # the proxy took the registration: try it
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(listener.getsockname())
+        s.sendall(f"GET http://evil.test:{port}/secret HTTP/1.1\\r\\n\\r\\n".encode())
+        print(s.recv(64))
+    """
+)
+
+
+@needs_allow_list
+async def test_another_pools_call_cannot_register_with_this_pools_proxy(
+    workspace: Path, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pools of one user whose runtime directories differ ($XDG_RUNTIME_DIR set for one):
+    each call's mount namespace covers its own pool's, so the other's proxy socket is reachable
+    by path (Landlock does not mediate a unix connect). A network = false call must not get
+    out through it with a listener and a list of its own."""
+    xdg = tempfile.mkdtemp(prefix="xdg-")  # short: a unix socket's path has 107 bytes
+    monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)
+    try:
+        async with Pool(workspace, config=allow_config([f"index.test:{server.port}"])) as other:
+            monkeypatch.delenv("XDG_RUNTIME_DIR")
+            assert (await other.call("bash", {"command": "true"}, timeout=60)).ok
+            assert other._proxy is not None  # where its socket is: the test's only look inside
+            (workspace / "forger.py").write_text(FORGER)
+            async with Pool(workspace, config=allow_config(False)) as pool:
+                command = f"{PYTHON} forger.py {other._proxy.path} {server.port}"
+                outcome = await pool.call("bash", {"command": command}, timeout=60)
+    finally:
+        shutil.rmtree(xdg, ignore_errors=True)
+    assert outcome.value is not None
+    assert outcome.value["stdout"].split() == ["refused"], outcome.value
+    assert server.seen == []
