@@ -24,6 +24,7 @@ SECTIONS = (
     "changes",
     "layers",
     "sessions",
+    "network",
 )
 
 
@@ -40,6 +41,8 @@ class Counts:
     changes_calls: int = 300
     layer_samples: int = 100
     sessions_calls: int = 400
+    network_calls: int = 300
+    network_downloads: int = 10
 
 
 QUICK = Counts(
@@ -54,6 +57,8 @@ QUICK = Counts(
     changes_calls=60,
     layer_samples=20,
     sessions_calls=60,
+    network_calls=60,
+    network_downloads=3,
 )
 
 
@@ -96,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         hung,
         latency,
         layers,
+        network,
         oneshot,
         report,
         search,
@@ -155,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                     result.layers = layers.run(ws, samples=counts.layer_samples)
                 elif section == "sessions":
                     result.sessions = sessions.run(ws, calls=counts.sessions_calls)
+                elif section == "network":
+                    result.network = network.run(
+                        ws, calls=counts.network_calls, downloads=counts.network_downloads
+                    )
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

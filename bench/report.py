@@ -24,6 +24,8 @@ from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.hung import HungResult
 from bench.latency import LatencyResult
 from bench.layers import BASE_FILES, CHANGED, LayersResult
+from bench.network import INDEX_NAME, NetworkResult
+from bench.network import MODES as NETWORK_MODES
 from bench.oneshot import RATIO_BAR, OneShotResult
 from bench.procs import Leftovers
 from bench.search import SearchResult
@@ -56,6 +58,7 @@ class Report:
     changes: ChangesResult | None = None
     layers: LayersResult | None = None
     sessions: SessionsResult | None = None
+    network: NetworkResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -645,6 +648,44 @@ def _layers(result: LayersResult) -> str:
     )
 
 
+def network_table(result: NetworkResult) -> str:
+    rows = [
+        (
+            f"bash `true`, network = {mode}",
+            str(result.true_by_mode[mode].count),
+            ms(result.true_by_mode[mode].p50),
+            ms(result.true_by_mode[mode].p95),
+            "" if mode == "true" else f"{result.extra_ms(mode):+.2f} ms",
+        )
+        for mode in NETWORK_MODES
+    ]
+    proxied_extra = result.pip_proxied.p50 - result.pip_direct.p50
+    rows += [
+        (
+            "`pip download` of a wheel, direct (network = true, by address)",
+            str(result.pip_direct.count),
+            ms(result.pip_direct.p50),
+            ms(result.pip_direct.p95),
+            "",
+        ),
+        (
+            f"`pip download` of a wheel, through the proxy ({INDEX_NAME} allowed)",
+            str(result.pip_proxied.count),
+            ms(result.pip_proxied.p50),
+            ms(result.pip_proxied.p95),
+            f"{proxied_extra:+.1f} ms",
+        ),
+    ]
+    return (
+        "## Network: what the allow-list costs\n\n"
+        + table(("row", "calls", "p50", "p95", "over network = true"), rows, "lrrrr")
+        + "\n\nAn allow-listed bash call gets a network namespace of its own, loopback brought"
+        " up, and a listening socket registered with the pool's proxy (docs/security.md); the"
+        " index is a local one on the host's loopback, so the download rows compare the paths,"
+        " not an internet connection."
+    )
+
+
 def render(report: Report) -> str:
     parts = [_header(report)]
     if report.latency is not None:
@@ -671,6 +712,8 @@ def render(report: Report) -> str:
         parts.append(_layers(report.layers))
     if report.sessions is not None:
         parts.append(_sessions(report.sessions))
+    if report.network is not None:
+        parts.append(network_table(report.network))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

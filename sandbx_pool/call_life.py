@@ -8,6 +8,7 @@
         |      run()  (Pool: gate, worker, outcome; RayPool: the node's Pool does that)
         |      a driver cancelled by close(): a shutdown outcome; a bug: crashed
         |      journal outcome (Journal.settle: on disk first under policy "always")
+        |      its span, if the pool sends any (telemetry.py: queued, never awaited)
         v
     attend(driver, life): the caller's await; its task cancelled -> kill requested, the driver
         finishes (shielded), then the caller gets its own CancelledError back
@@ -33,6 +34,7 @@ from sandbx_pool.journal.store import Journal
 from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
+from sandbx_pool.telemetry import Telemetry
 from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
 
 
@@ -57,6 +59,8 @@ class CallLife:
         #: The absolute workspace the call is confined to (what its intent records).
         self.workspace = workspace
         self.started_at = time.monotonic()
+        #: The same moment on the wall clock, for the call's span (telemetry.py).
+        self.started_at_ns = time.time_ns()
         self.kill_requested: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.killer: KilledBy | None = None
         self.reason: str | None = None
@@ -100,10 +104,14 @@ class CallLife:
         return {}
 
     async def drive(
-        self, journal: Journal | None, run: Callable[[], Awaitable[Outcome]]
+        self,
+        journal: Journal | None,
+        run: Callable[[], Awaitable[Outcome]],
+        telemetry: Telemetry | None = None,
     ) -> Outcome:
-        """Journal the intent, ``run()`` the call, journal its one outcome, whatever happens.
-        The caller's task never runs this itself: it is the driver task's (see ``attend``)."""
+        """Journal the intent, ``run()`` the call, journal its one outcome, whatever happens;
+        then its span, when ``telemetry`` is on. The caller's task never runs this itself: it
+        is the driver task's (see ``attend``)."""
         outcome = await self._intent(journal)
         if outcome is None and self.killer is not None:
             outcome = self.killed_outcome()  # refused: nothing is started for it
@@ -124,7 +132,18 @@ class CallLife:
                 outcome = self.outcome(Status.CRASHED, error=f"coordinator error: {exc}")
         if journal is not None:
             await journal.settle(outcome)
+        if telemetry is not None:
+            # After the journal: the span is a copy of what the journal holds. Never a reason
+            # for the call to fail (the exporter's faults are its own thread's).
+            try:
+                telemetry.call_ended(self, outcome)
+            except Exception:
+                logger.exception("call {}: its span could not be made", self.call_id)
         return outcome
+
+    def journaled_network(self) -> bool | list[str] | None:
+        """The call's own network, as its intent records it (None: the pool's)."""
+        return None
 
     async def _intent(self, journal: Journal | None) -> Outcome | None:
         """Journal the intent; the refusal outcome when a side effect could not be journaled."""
@@ -142,6 +161,7 @@ class CallLife:
                 changes=None if self.changes is ChangeMode.DIRECT else str(self.changes),
                 layer=self.layer_name,
                 session=self.session,
+                network=self.journaled_network(),
             )
         except JournalWriteError as exc:
             # Fail closed: a side effect never starts without its durable intent. A read-only

@@ -38,6 +38,8 @@ class CallState(CallLife):
         self.env = env
         self.limits = limits
         self.view = view
+        #: This call's network (Pool.call's ``network``), None: the pool's.
+        self.network: bool | tuple[str, ...] | None = None
         self.context: ExecutionContext | None = None
         self.worker: Worker | None = None
         self.assigned: asyncio.Future[Worker] = loop.create_future()
@@ -57,6 +59,10 @@ class CallState(CallLife):
         self.layer_mount: str | None = None
         #: A session's bash call: the session's exports (sandbx_pool.sessions).
         self.session_env: dict[str, str] | None = None
+
+    def journaled_network(self) -> bool | list[str] | None:
+        network = self.network
+        return network if network is None or isinstance(network, bool) else list(network)
 
     def journaled_workspace(self) -> str | None:
         # A view's call: cwd and paths are the view's, the view is where they are.

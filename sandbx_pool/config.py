@@ -13,10 +13,12 @@ import pwd
 import re
 import tomllib
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta
 
+from sandbx_pool import allow_list
 from sandbx_pool.errors import ConfigError
 from sandbx_pool.workers.hooks_path import TOKEN as HOOKS_PATH
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Limits, Sandbox
@@ -121,6 +123,35 @@ class JournalSettings(_Section):
     default_keep_count: Annotated[int, Meta(ge=1)] = 100
 
 
+class TelemetrySettings(_Section):
+    """OpenTelemetry (sandbx_pool.telemetry): off unless ``otlp_endpoint`` is set."""
+
+    #: The collector's base URL, ``http://host:4318``: spans go to ``<it>/v1/traces``.
+    otlp_endpoint: str | None = None
+    #: One export's deadline; a dead collector costs spans, never a call's time.
+    export_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 2.0
+    #: The ``service.name`` of every span.
+    service_name: Annotated[str, Meta(min_length=1)] = "sandbx-pool"
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint is None:
+            return
+        parsed = urlsplit(self.otlp_endpoint)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(
+                f"otlp_endpoint: {self.otlp_endpoint!r} is not an http(s)://host:port URL"
+            )
+        try:
+            parsed.port  # noqa: B018 (it raises for a port out of range or not a number)
+        except ValueError:
+            raise ValueError(f"otlp_endpoint: {self.otlp_endpoint!r}: not a valid port") from None
+        if parsed.query or parsed.fragment:
+            raise ValueError(
+                f"otlp_endpoint: {self.otlp_endpoint!r}: a base URL, without ? or #"
+                " (/v1/traces is appended)"
+            )
+
+
 class EnvSettings(_Section):
     allow: list[str] = msgspec.field(default_factory=lambda: ["PATH", "HOME", "LANG", "TERM"])
     set: dict[str, str] = msgspec.field(default_factory=dict)
@@ -212,7 +243,12 @@ class SandboxSettings(_Section):
     filesystem: SandboxFilesystem = SandboxFilesystem.WORKSPACE
     read_only: list[AbsolutePath] = msgspec.field(default_factory=list)
     writable: list[AbsolutePath] = msgspec.field(default_factory=list)
-    network: bool = True
+    #: true: the host's network; false: none (a network namespace of the call's own, or
+    #: Landlock's TCP rules); a list of host patterns: only those, through the pool's proxy
+    #: (sandbx_pool.allow_list, sandbx_pool.proxy).
+    network: bool | list[str] = True
+    #: Names the proxy resolves itself, to these addresses (a local mirror; no DNS asked).
+    network_hosts: dict[str, str] = msgspec.field(default_factory=dict)
     run_as: str | None = None
     #: Globs relative to the workspace that no call may change (an empty list: none).
     protected: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_PROTECTED))
@@ -224,6 +260,12 @@ class SandboxSettings(_Section):
     #: A pool without root makes each worker in a user namespace of its own, where the kernel
     #: allows (workers.containment.UserNamespaces); false: never, the fallbacks instead.
     user_namespaces: bool = True
+
+    def __post_init__(self) -> None:
+        # Checked (and made canonical) when the config is loaded, naming the bad pattern.
+        network = allow_list.parse_network(self.network)
+        self.network = network if isinstance(network, bool) else list(network)
+        self.network_hosts = allow_list.parse_hosts(self.network_hosts)
 
     def user(self) -> tuple[int, int, tuple[int, ...]] | None:
         """``run_as`` as (uid, gid, groups); a ConfigError if unknown or if we are not root."""
@@ -245,7 +287,8 @@ class SandboxSettings(_Section):
             filesystem=self.filesystem.value,
             read_only=tuple(self.read_only),
             writable=tuple(self.writable),
-            network=self.network,
+            network=self.network is not False,
+            network_allow=None if isinstance(self.network, bool) else tuple(self.network),
             tmp_root=tmp_root,
             hidden=hidden,
             uid=user[0] if user else None,
@@ -266,6 +309,7 @@ class Config(_Section):
     gate: GateSettings = msgspec.field(default_factory=GateSettings)
     sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)
     workspace: WorkspaceSettings = msgspec.field(default_factory=WorkspaceSettings)
+    telemetry: TelemetrySettings = msgspec.field(default_factory=TelemetrySettings)
 
     def workers(self) -> int:
         if self.pool.workers is not None:

@@ -55,7 +55,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool import descriptors, preflight
+from sandbx_pool import allow_list, descriptors, preflight
 from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
@@ -73,6 +73,7 @@ from sandbx_pool.layers import Layer, Layers, check_direct, mount_point, names_a
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.output import OutputCallback
+from sandbx_pool.proxy_handle import ProxyHandle
 from sandbx_pool.remains import Remains, release
 from sandbx_pool.runtime_dir import (
     default_journal_path,
@@ -94,6 +95,7 @@ from sandbx_pool.scheduling_actions import (
     Watch,
 )
 from sandbx_pool.sessions import Sessions, check_id
+from sandbx_pool.telemetry import Telemetry, open_telemetry
 from sandbx_pool.template_handle import TemplateHandle
 from sandbx_pool.worker_handle import Worker, WorkerState, describe_stuck, signal_worker
 from sandbx_pool.worker_set import WorkerSet
@@ -150,6 +152,8 @@ class Pool:
         self._lock_dir: str | None = None
         self.state = PoolState.NEW
         self.journal: Journal | None = None
+        #: Spans of its calls, when ``[telemetry] otlp_endpoint`` is set (telemetry.py).
+        self.telemetry: Telemetry | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runtime_dir: str | None = None
         self._template: TemplateHandle | None = None
@@ -172,6 +176,8 @@ class Pool:
         self._layers: Layers | None = None
         #: Shell sessions (sandbx_pool.sessions): restored from the journal at start.
         self._sessions = Sessions()
+        #: The network proxy (sandbx_pool.proxy), started by the first allow-listed call.
+        self._proxy: ProxyHandle | None = None
         self._finalizer = weakref.finalize(self, release, self._remains)
 
     def __repr__(self) -> str:
@@ -190,6 +196,8 @@ class Pool:
         if self.state is not PoolState.NEW:
             raise PoolClosed("a pool is started once")
         self._loop = asyncio.get_running_loop()
+        # First: a missing extra is a ConfigError before anything is made.
+        self.telemetry = open_telemetry(self.config.telemetry)
         # Before anything is opened: libzmq aborts the process when it runs out (descriptors.py).
         inherited_nofile = descriptors.raise_soft_limit()
         self._runtime_dir = make_private_dir()
@@ -357,8 +365,12 @@ class Pool:
         self._inbox.close()
         if self._layers is not None:
             self._layers.close()
+        if self._proxy is not None:
+            self._proxy.stop()
         if self.journal is not None:
             await self.journal.close()
+        if self.telemetry is not None:
+            await self.telemetry.close()  # bounded: a dead collector does not hold close()
         for worker in self._workers.by_token.values():
             worker.stop_watching()
             if worker.state is WorkerState.QUARANTINED:
@@ -384,6 +396,7 @@ class Pool:
         changes: str | None = None,
         layer_at: str | None = None,
         session: str | None = None,
+        network: bool | list[str] | tuple[str, ...] | None = None,
     ) -> Outcome:
         """Run one tool call in a fresh worker and return how it ended.
 
@@ -415,6 +428,11 @@ class Pool:
         Without it, every bash call starts in the workspace root (or ``cwd``) with the pool's
         environment. A bad id, or a session used before with another workspace or view, is a
         ValueError.
+        ``network``: this call's network, replacing the pool's ``[sandbox] network``
+        whole (default: the pool's): True, False (none, even for hosts the pool's list
+        allows), or a list of host patterns (sandbx_pool.allow_list), its own list, not
+        the pool's narrowed. A bad pattern is a ValueError naming it. An allow-listed
+        call's outcome lists the hosts the proxy refused in ``value["network_denied"]``.
         """
         if self.state is PoolState.NEW:
             raise PoolNotStarted("use `async with Pool(...)` or `await pool.start()` first")
@@ -425,6 +443,7 @@ class Pool:
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
         if session is not None:
             check_id(session)
+        own_network = None if network is None else allow_list.parse_network(network)
         mode = change_mode(changes) if changes is not None else self.changes
         layer = await self._layer_of(workspace, changes)
         layer_mount = mount_point(layer, view, layer_at)
@@ -454,12 +473,13 @@ class Pool:
             call.layer, call.layer_name = layer, layer.name
             call.layer_dir, call.layer_base = layer.directory, layer.base
             call.layer_mount = layer_mount
+        call.network = own_network
         run: Callable[[], Awaitable[Outcome]] = partial(self._run, call)
         release = None
         if session is not None:  # before the token: a refused reservation subscribes nothing
             run, release = self._sessions.reserve(session, call, run)
         unsubscribe = token_subscription(cancel, call)
-        driver = asyncio.create_task(call.drive(self.journal, run))
+        driver = asyncio.create_task(call.drive(self.journal, run, self.telemetry))
         if release is not None:  # the session's next call goes once this one is journaled
             driver.add_done_callback(lambda _: release())
         driver.set_name(call.call_id)
@@ -517,6 +537,10 @@ class Pool:
             store = self._changes_store() if keeps_changes else None
         except OSError as exc:
             return call.outcome(Status.ERROR, error=f"cannot keep the call's changes: {exc}")
+        try:
+            self._start_proxy_for(call)
+        except OSError as exc:
+            return call.outcome(Status.ERROR, error=f"cannot start the network proxy: {exc}")
         payload = preflight.prepare(call, self._side())
         if isinstance(payload, Outcome):
             return payload
@@ -768,7 +792,21 @@ class Pool:
     # -- helpers -----------------------------------------------------------------------------
 
     def _side(self) -> preflight.PoolSide:
-        return preflight.PoolSide(self.config, self.workspace, self._sandbox, self._gate)
+        proxy = self._proxy.path if self._proxy is not None else None
+        return preflight.PoolSide(self.config, self.workspace, self._sandbox, self._gate, proxy)
+
+    def _start_proxy_for(self, call: CallState) -> None:
+        """Start the network proxy if ``call`` is the first to need it (an allow-listed bash:
+        preflight.with_network says why no other tool)."""
+        network = call.network if call.network is not None else self.config.sandbox.network
+        if isinstance(network, bool) or call.tool != preflight.PROXIED_TOOL:
+            return
+        if self._proxy is None:
+            assert self._runtime_dir is not None
+            self._proxy = ProxyHandle(self._runtime_dir, self.config.sandbox.network_hosts)
+            self._remains.stoppers.append(self._proxy.stop)
+        if not self._proxy.running:
+            self._proxy.start()
 
     @property
     def interrupted(self) -> list[IntentRecord]:

@@ -30,6 +30,9 @@ from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.workers.protocol import ExecutionContext, Limits, Sandbox
 from sandbx_pool.workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
 
+#: The one tool an allow-list lets through the proxy (with_network).
+PROXIED_TOOL = "bash"
+
 
 @dataclass(frozen=True)
 class PoolSide:
@@ -39,6 +42,7 @@ class PoolSide:
     workspace: str  # the pool's own (a call may name another)
     sandbox: Sandbox | None  # the workers' sandbox, once the pool has started
     gate: Gate
+    proxy_socket: str | None = None  # the network proxy's, once a call needed it
 
 
 def check_call_arguments(
@@ -96,7 +100,7 @@ def prepare(call: CallState, pool: PoolSide) -> bytes | Outcome:
 
 def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
     """Everything the worker needs for this call, and nothing shared with another call."""
-    sandbox = pool.sandbox or Sandbox()
+    sandbox = with_network(pool.sandbox or Sandbox(), call, pool.proxy_socket)
     if call.view is not None:
         # The pool's lock directory is not in the view: a write there locks its directory.
         sandbox = msgspec.structs.replace(sandbox, view=call.view, lock_dir=None)
@@ -120,6 +124,27 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
     )
 
 
+def with_network(sandbox: Sandbox, call: CallState, proxy_socket: str | None) -> Sandbox:
+    """The pool's sandbox with this call's network: its own (Pool.call's ``network``) replaces
+    the pool's whole, True and False included; an allow-list's gets the proxy's socket.
+
+    Only bash reaches the network through an allow-list: grep's rg has no use for it, and is
+    cut off instead (``network = false``: no proxy to register with, and where no network
+    namespace can be made, Landlock's TCP rules hold it)."""
+    network = call.network
+    listed = isinstance(network, tuple) or (network is None and sandbox.network_allow is not None)
+    if listed and call.tool != PROXIED_TOOL:
+        network = False
+    if network is not None:
+        allow = None if isinstance(network, bool) else network
+        sandbox = msgspec.structs.replace(
+            sandbox, network=network is not False, network_allow=allow
+        )
+    if sandbox.network_allow is not None:
+        sandbox = msgspec.structs.replace(sandbox, proxy_socket=proxy_socket)
+    return sandbox
+
+
 def max_output_bytes(config: Config, tool: str) -> int:
     """bash keeps head and tail and is killed only past max_output_bytes (a flood); the other
     tools return whole results, which keep_output_bytes bounds as it bounds bash's."""
@@ -129,4 +154,12 @@ def max_output_bytes(config: Config, tool: str) -> int:
     return min(calls.max_output_bytes, calls.keep_output_bytes)
 
 
-__all__ = ["PoolSide", "call_context", "check_call_arguments", "max_output_bytes", "prepare"]
+__all__ = [
+    "PROXIED_TOOL",
+    "PoolSide",
+    "call_context",
+    "check_call_arguments",
+    "max_output_bytes",
+    "prepare",
+    "with_network",
+]

@@ -34,6 +34,7 @@ from sandbx_pool.integrations.ray import RayPool, node_pool, shutdown_node_pools
 from sandbx_pool.journal.reader import read_journal
 from sandbx_pool.journal.records import NODE_LOST, OutcomeRecord
 from sandbx_pool.outcome import KilledBy, Status
+from sandbx_pool.telemetry import SCHEDULE_MS
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -161,6 +162,35 @@ async def test_a_layer_runs_on_the_node_that_holds_it(cluster: Cluster, root: Pa
             assert wrote.node == read.node == pool.nodes()[path]
         assert {pool.nodes()[path] for path in paths} == live_nodes()
     assert (base / "a.txt").read_text() == "base\n"
+
+
+async def test_spans_come_from_the_driver_one_a_call_with_its_node(
+    cluster: Cluster, root: Path
+) -> None:
+    from test_telemetry import Collector  # the OTLP/HTTP receiver of the telemetry tests
+
+    collector = Collector()
+    collector.thread.start()
+    try:
+        # The node pools are made with this config too when this test runs first: they must
+        # send nothing of their own (ray_node drops [telemetry]), so each call has one span.
+        config = CONFIG.override(telemetry={"otlp_endpoint": collector.url})
+        async with RayPool(root, config=config) as pool:
+            outcomes = [
+                await pool.call("bash", {"command": f"exit {n}"}, workspace="t") for n in range(3)
+            ]
+        # A node pool's spans would come on its export schedule (it outlives the RayPool):
+        # proving that none come takes waiting out a few rounds of it.
+        await asyncio.sleep(2.5 * SCHEDULE_MS / 1000)
+    finally:
+        collector.server.shutdown()
+        collector.server.server_close()
+    spans = {s["attributes"]["sandbx.call_id"]: s["attributes"] for s in collector.spans}
+    assert len(collector.spans) == len(spans) == 3
+    for n, outcome in enumerate(outcomes):
+        assert spans[outcome.call_id]["sandbx.node"] == outcome.node
+        assert spans[outcome.call_id]["sandbx.exit_code"] == n
+        assert spans[outcome.call_id]["sandbx.status"] == "ok"
 
 
 async def test_a_workspace_cannot_leave_the_root(cluster: Cluster, root: Path) -> None:

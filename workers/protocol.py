@@ -68,6 +68,12 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: are then paths inside it. Every tool, file tools included, is confined this way, and
     #: capless whatever ``keep_root`` says. None: the host's tree, as the rules above allow.
     view: str | None = None
+    #: An allow-list (``network`` true then): a network namespace holding only loopback, whose
+    #: one way out is the pool's proxy (workers.netns, sandbx_pool.proxy), which lets through
+    #: these host patterns (sandbx_pool.allow_list) and nothing else. None: ``network`` alone.
+    network_allow: tuple[str, ...] | None = None
+    #: The proxy's unix socket, where the worker registers its call's listening socket.
+    proxy_socket: str | None = None
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):

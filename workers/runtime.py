@@ -414,6 +414,10 @@ def serve(
         if pids_cgroup is not None and not containment.in_own_pid_namespace():
             cgroups.kill_others(pids_cgroup)
         containment.kill_descendants()
+        denied = confinement.network_denied() if confinement is not None else None
+        if denied:
+            value = {**(result.value or {}), "network_denied": denied}
+            result = msgspec.structs.replace(result, value=value)
     if stop.at is not None:
         if not runs_programs or result.value is None:
             # The coordinator is stopping this call and has no use for a Result without

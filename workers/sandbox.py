@@ -19,6 +19,8 @@ kernel's, set up by the worker itself in two stages::
     |   TMPDIR *            a private directory for this call, set in bash's environment
     |   IPC namespace *     SysV and POSIX IPC objects of its own
     |   network = false *   a network namespace of its own
+    |   network = [hosts] * one whose only way out is the pool's proxy (workers.netns); made
+    |                       first, while the proxy's socket is still in reach of the worker
     |   bounding set *      emptied, securebits locked: nothing exec'd gains a capability
     |   run_as              setgroups, setgid, setuid (a file tool's ``user`` too)
     |   capabilities *      the worker's own emptied too (workers.lockdown): a file tool is
@@ -42,8 +44,9 @@ over its own namespaces, and takes them all, as a root worker does; what needs r
 (run_as, masks over what the pool's user cannot open anyway) is left out.
 
 Each step applies where the machine permits it and is skipped where it does not
-(``sandbx-pool doctor`` shows which); ``network = false`` alone refuses the call when nothing
-can enforce it, since the caller asked for it explicitly.
+(``sandbx-pool doctor`` shows which); ``network = false`` and an allow-list refuse the call
+when nothing can enforce them, since the caller asked for them explicitly (an allow-list needs
+a network namespace, and a mount namespace to hide the proxy's socket: never run online).
 
 Landlock restricts only the calling thread and what it starts afterwards (a worker has no
 other thread), and descriptors opened before keep their access: the worker's connection to
@@ -59,7 +62,17 @@ import os
 
 import msgspec
 
-from sandbx_pool.workers import _libc, landlock, lockdown, paths, protected, seccomp, users, view
+from sandbx_pool.workers import (
+    _libc,
+    landlock,
+    lockdown,
+    netns,
+    paths,
+    protected,
+    seccomp,
+    users,
+    view,
+)
 from sandbx_pool.workers.containment import in_own_pid_namespace, in_own_user_namespace
 from sandbx_pool.workers.errors import Denied, ToolError
 from sandbx_pool.workers.protocol import Call, ExecutionContext, Sandbox
@@ -103,12 +116,20 @@ class Prepared:
 class Confinement:
     """The call as its tool must see it (TMPDIR in its environment), and what to undo after."""
 
-    def __init__(self, call: Call, tmpdir: str | None) -> None:
+    def __init__(self, call: Call, tmpdir: str | None, link: netns.Link | None = None) -> None:
         self.call = call
         self.tmpdir = tmpdir
+        #: The call's registration with the pool's proxy (an allow-list), else None.
+        self.link = link
+
+    def network_denied(self) -> list[str] | None:
+        """The hosts the proxy refused this call; None without an allow-list."""
+        return None if self.link is None else self.link.denied()
 
     def release(self) -> None:
         """Remove the call's TMPDIR (what a killed worker leaves, the pool removes on close)."""
+        if self.link is not None:
+            self.link.close()
         if self.tmpdir is not None:
             remove_tree(self.tmpdir)
 
@@ -181,9 +202,17 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
     # are a user namespace's: there is no root there to keep, only the namespace's capabilities.
     own_user_namespace = in_own_user_namespace()
     keep_root = box.keep_root and box.view is None and not own_user_namespace
+    link: netns.Link | None = None
     try:
         _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
         network_namespace = private = False
+        if runs_programs and box.network_allow is not None:
+            # Before the mounts: they cover the runtime directory the proxy's socket is in.
+            try:
+                link = netns.enter(box.proxy_socket, box.network_allow, ctx.call_id)
+            except netns.NetworkUnavailable as exc:
+                raise SandboxError(str(exc)) from None
+            network_namespace = True
         # A folder of the pool's workspace, reached without a symlink: what the rules (or the
         # view) are then checked to have been built on, whatever a parallel call swaps meanwhile.
         anchor = paths.reach(ctx.workspace_root, box.view or ctx.workspace)
@@ -199,6 +228,15 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             )
             tmpdir = None if box.view is not None else _make_tmpdir(box, ctx.call_id, owner)
             env = {**ctx.env, "TMPDIR": tmpdir} if tmpdir is not None else dict(ctx.env)
+            if link is not None:
+                if not private:
+                    # Without it the call could reach the proxy's socket and register a
+                    # listener of its own, with any list: refused, never run online.
+                    raise SandboxError(
+                        "network = [allow-list] needs a mount namespace of the call's own"
+                        " (to hide the proxy's socket), and none could be made"
+                    )
+                env.update(link.env())
             if box.view is not None:
                 env.setdefault("TMPDIR", "/tmp")  # the view's own
             home = env.get("HOME")
@@ -214,7 +252,8 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             call = msgspec.structs.replace(call, context=msgspec.structs.replace(ctx, env=env))
             if private:
                 lockdown.new_ipc_namespace()
-            network_namespace = not box.network and _libc.try_unshare(_libc.CLONE_NEWNET) == 0
+            if link is None:
+                network_namespace = not box.network and _libc.try_unshare(_libc.CLONE_NEWNET) == 0
         # Every tool, file tools included: a file tool of a root pool is held to file modes as
         # bash is (a capless uid 0 cannot read a file chmod'ed 000), never more powerful than
         # the command the same call could run.
@@ -271,8 +310,12 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             ruleset.restrict_self()
         if runs_programs and seccomp.supported():
             # Without an IPC namespace of its own, SysV IPC would reach the host's objects.
-            seccomp.install(offline=not box.network, shared_ipc=not private)
+            # An allow-list's call needs TCP to its loopback alone: network = false's families.
+            offline = not box.network or link is not None
+            seccomp.install(offline=offline, shared_ipc=not private)
     except (OSError, SandboxError, Denied) as exc:
+        if link is not None:
+            link.close()
         if tmpdir is not None:
             remove_tree(tmpdir)
         if isinstance(exc, SandboxError):
@@ -280,7 +323,7 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         if isinstance(exc, Denied):
             raise SandboxError(f"not confined: {exc}") from exc
         raise SandboxError(f"cannot confine the call: {exc}") from exc
-    return Confinement(call, tmpdir)
+    return Confinement(call, tmpdir, link)
 
 
 # -- the steps ---------------------------------------------------------------------------------

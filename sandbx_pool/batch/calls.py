@@ -12,7 +12,9 @@ the run's workspace root (``--workspace``) that the call is confined to instead 
 a Ray cluster all calls of one workspace run on one node. ``meta`` is anything the file's
 author wants to keep with the line (an episode, a step); the runner ignores it. ``changes`` is
 the call's change mode (``direct``, ``tracked``, ``transactional``: sandbx_pool.changes; default
-``run --changes``, else the config's); it is not part of a derived id. Any other key is
+``run --changes``, else the config's); it is not part of a derived id. ``network`` is the
+call's network (``true``, ``false`` or a list of host patterns: ``Pool.call``'s ``network``,
+replacing the config's ``[sandbox] network``), not part of a derived id either. Any other key is
 an error, so that a typo ("timout") is not silently ignored. ``session`` runs the call in
 that shell session (sandbx_pool.sessions: bash keeps its cd and exports); a session's lines
 run in file order (each comes ``after`` the session's previous line), and ``--resume`` finds
@@ -55,6 +57,7 @@ from typing import Any, Final
 
 import msgspec
 
+from sandbx_pool import allow_list
 from sandbx_pool.config import change_mode
 from sandbx_pool.errors import SandbxPoolError
 from sandbx_pool.layer_store import check_name
@@ -75,6 +78,7 @@ LINE_KEYS: Final = (
     "layer",
     "base",
     "session",
+    "network",
 )
 
 #: Problems listed in a BatchFileError; a file wrong on every line needs no 20,000-line message.
@@ -104,6 +108,8 @@ class CallSpec(msgspec.Struct, frozen=True, kw_only=True):
     base: str | None = None
     #: The shell session it runs in (sandbx_pool.sessions), or None.
     session: str | None = None
+    #: The call's network (sandbx_pool.allow_list), or None: the config's.
+    network: bool | tuple[str, ...] | None = None
 
 
 class LineProblem(msgspec.Struct, frozen=True):
@@ -242,6 +248,12 @@ def _parse_line(
         except ValueError as exc:
             raise _BadLine(f'"changes" {str(exc).removeprefix("changes ")}') from None
     layer, base = _layer(item, workspace, changes)
+    network = None
+    if item.get("network") is not None:
+        try:
+            network = allow_list.parse_network(item["network"], '"network"')
+        except ValueError as exc:
+            raise _BadLine(str(exc)) from None
     if "id" in item:
         call_id = _explicit_id(item["id"])
     else:
@@ -263,6 +275,7 @@ def _parse_line(
         layer=layer,
         base=base,
         session=session,
+        network=network,
     )
 
 

@@ -31,6 +31,7 @@ The pool is a ``Pool`` or an ``integrations.ray.RayPool`` (``run --ray``): a lin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import time
@@ -260,6 +261,8 @@ async def run_batch(
                         extra["changes"] = spec.changes
                     if spec.session is not None:
                         extra["session"] = spec.session
+                    if spec.network is not None:
+                        extra["network"] = spec.network
                 else:  # a RayPool: workspaces by name, output only in the outcome
                     extra["workspace"] = spec.workspace
                 if isinstance(pool, Pool):
@@ -292,10 +295,19 @@ async def run_batch(
                 if (event := finished.get(spec.call_id)) is not None:
                     event.set()
 
+    # The batch's span (when the pool sends spans): each call's span is its child.
+    span = (
+        contextlib.nullcontext()
+        if pool.telemetry is None
+        else pool.telemetry.batch(
+            "sandbx-pool run", **{"sandbx.calls": len(todo), "sandbx.skipped": report.skipped}
+        )
+    )
     try:
-        async with asyncio.TaskGroup() as lanes:
-            for number in range(min(parallel, len(todo))):
-                lanes.create_task(lane(), name=f"batch-lane-{number}")
+        with span:
+            async with asyncio.TaskGroup() as lanes:
+                for number in range(min(parallel, len(todo))):
+                    lanes.create_task(lane(), name=f"batch-lane-{number}")
     finally:
         if outputs is not None:
             os.close(outputs)

@@ -101,6 +101,12 @@ def add_batch_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help='what calls may do to the workspace (a line\'s own "changes" wins): see'
         " [workspace] changes",
     )
+    run.add_argument(
+        "--timeline",
+        metavar="FILE.html",
+        help="at the end (a stopped run too), draw the journal's calls as a timeline page:"
+        " see journal timeline",
+    )
     run.set_defaults(func=_cmd_run)
 
     demo = subparsers.add_parser("demo", help="run a built-in batch on a temporary workspace")
@@ -134,6 +140,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _usage_error("run", f"bad batch file:\n{exc}")
     except OSError as exc:
         return _usage_error("run", f"{args.calls}: {exc.strerror or exc}")
+    networked = next((spec for spec in batch.calls if spec.network is not None), None)
+    if getattr(args, "ray", None) and networked is not None:
+        # Never ignored in silence: a line asking for less network would run with more.
+        return _usage_error(
+            "run",
+            f'line {networked.line}: "network" is not taken with --ray (the nodes\' pools use'
+            " the config's [sandbox] network)",
+        )
     try:
         config = effective_config(args)
     except ConfigError as exc:
@@ -160,6 +174,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             os.makedirs(args.output_dir, exist_ok=True)
         except OSError as exc:
             return _usage_error("run", f"--output-dir {args.output_dir}: {exc.strerror or exc}")
+    problem = _timeline_problem(args.timeline)
+    if problem is not None:
+        return _usage_error("run", problem)
     problem = workspace_problem(args.workspace)
     if problem is not None:
         return _usage_error("run", problem)
@@ -313,9 +330,41 @@ def _run(
             print("\n".join(_in_doubt_lines(report, batch, args)), flush=True)
         if report.not_run and report.journal:
             print(f"resume with: {resume_command(args, report.journal)}", flush=True)
+        if args.timeline is not None:
+            _write_timeline(args.timeline, report.journal)
         return 0 if report.complete else EXIT_FAILED
 
     return run_until_signalled(main)
+
+
+def _timeline_problem(path: str | None) -> str | None:
+    """Why ``--timeline`` cannot be written there, checked before the batch: a typo found
+    after a long batch would lose its picture."""
+    if path is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--timeline {path}: no such directory {folder}"
+    if os.path.isdir(path):
+        return f"--timeline {path}: is a directory"
+    return None
+
+
+def _write_timeline(path: str, journal: str | None) -> None:
+    """``run --timeline``: the journal's calls drawn, once the pool closed (the journal is
+    whole). A failure here is reported and leaves the run's exit code as its calls made it."""
+    from sandbx_pool.journal.reader import read_journal
+    from sandbx_pool.timeline import write_timeline
+
+    if journal is None:
+        print("sandbx-pool run: --timeline: this run kept no journal to draw", file=sys.stderr)
+        return
+    try:
+        timeline = write_timeline(read_journal(journal), path)
+    except OSError as exc:
+        print(f"sandbx-pool run: --timeline {path}: {exc.strerror or exc}", file=sys.stderr)
+        return
+    print(f"timeline: {path} ({len(timeline.bars)} calls)", flush=True)
 
 
 def _ray_installed() -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes.util
+import importlib.util
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import msgspec
 
 from sandbx_pool.cli.doctor_probes import DIRECT, ENTERED, OFF, REFUSED, ROOT, run_child_probes
 from sandbx_pool.interpreter import PACKAGE_PARENT
+from sandbx_pool.timeline.browser import find_chromium
 from sandbx_pool.workers import (
     cgroups,
     containment,
@@ -316,6 +318,14 @@ def diagnose(*, user_namespaces: bool = True) -> list[Check]:
             "network = false blocks TCP only (Landlock), UDP still goes out",
         ),
         Check(
+            "network allow-list",
+            bool(child.get("network_namespaces")) and bool(child.get("mount_namespaces")),
+            "network = [hosts]: each call gets a network namespace with loopback only, its one"
+            " way out the pool's proxy, which lets through the listed names and nothing else",
+            "network = [hosts] is refused (each such call ends as error, never run online): it"
+            " needs network and mount namespaces; network = true or false work",
+        ),
+        Check(
             "no_new_privs",
             bool(child.get("no_new_privs")),
             "nothing a call execs gains privileges (setuid binaries, file capabilities)",
@@ -412,7 +422,39 @@ def diagnose(*, user_namespaces: bool = True) -> list[Check]:
             fuse_detail,
             f"{fuse_detail}: the hung-filesystem tests skip (and fail under CI=true)",
         ),
+        _chromium_check(),
+        _otel_check(),
     ]
+
+
+def _chromium_check() -> Check:
+    browser = find_chromium()
+    return Check(
+        "headless Chromium (timeline --png)",
+        browser is not None,
+        f"{browser}: journal timeline --png renders the page to a PNG",
+        "not on PATH: journal timeline --png exits 2 (the HTML page needs no browser; Debian:"
+        " chromium); the timeline's browser tests skip (and fail under CI=true)",
+    )
+
+
+def _otel_check() -> Check:
+    # find_spec, not import: the SDK and its exporter are heavy, and doctor only asks.
+    try:
+        missing = [
+            name
+            for name in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
+            if importlib.util.find_spec(name) is None
+        ]
+    except ImportError:  # a parent package missing
+        missing = ["opentelemetry"]
+    return Check(
+        "OpenTelemetry (otel extra)",
+        not missing,
+        "[telemetry] otlp_endpoint can send a span per call over OTLP/HTTP",
+        f"no {', '.join(missing)}: a pool with [telemetry] otlp_endpoint set refuses to start"
+        " (pip install 'sandbx-pool[otel]'); unset, nothing needs it",
+    )
 
 
 def report(checks: list[Check]) -> str:

@@ -1,4 +1,4 @@
-"""``sandbx-pool journal``: inspect a journal (in doubt, stats, show) without changing it.
+"""``sandbx-pool journal``: inspect a journal (in doubt, stats, show, timeline) without changing it.
 
 Read-only on purpose: a coordinator may still be appending, and only the coordinator holding
 the lock may cut a torn tail off. A torn tail or corrupt lines are mentioned on stderr; stdout
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -31,6 +32,7 @@ from sandbx_pool.journal.records import (
     IntentRecord,
     JournalRecord,
     OutcomeRecord,
+    decoder,
     encoder,
     is_digest,
 )
@@ -87,18 +89,37 @@ def add_journal_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     show.add_argument("--json", action="store_true", help="the records, as JSON Lines")
     show.set_defaults(func=_reading(_cmd_show))
 
+    picture = commands.add_parser(
+        "timeline",
+        help="every call as a bar on its worker slot, coloured by status: one self-contained"
+        " HTML page (-o), or a PNG of it through headless Chromium (--png)",
+    )
+    picture.add_argument("path", metavar="PATH")
+    picture.add_argument("-o", "--output", metavar="FILE.html", help="write the page here")
+    picture.add_argument(
+        "--png", metavar="FILE.png", help="render the page to a PNG (needs chromium installed)"
+    )
+    picture.set_defaults(func=_reading(_cmd_timeline))
+
 
 def _reading(command: Callable[[argparse.Namespace, JournalScan], int]) -> Command:
     """Read the journal named by ``args.path`` for ``command``; a journal missing is exit 2."""
 
     def run(args: argparse.Namespace) -> int:
         try:
+            if args.journal_command == "timeline" and not _starts_like_journal(args.path):
+                # Before parsing: a big file of something else would warn once a line.
+                print(f"sandbx-pool journal: {args.path}: not a journal", file=sys.stderr)
+                return EXIT_UNREADABLE
             scan = read_journal(args.path)
         except FileNotFoundError:
             print(f"sandbx-pool journal: {args.path}: no such journal", file=sys.stderr)
             return EXIT_UNREADABLE
         except OSError as exc:
             print(f"sandbx-pool journal: {args.path}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_UNREADABLE
+        if args.journal_command == "timeline" and not looks_like_journal(scan):
+            print(f"sandbx-pool journal: {args.path}: not a journal", file=sys.stderr)
             return EXIT_UNREADABLE
         _report_damage(scan)
         return command(args, scan)
@@ -113,6 +134,34 @@ def _report_damage(scan: JournalScan) -> None:
         lines = ", ".join(str(n) for n in scan.corrupt_lines[:10])
         more = "..." if len(scan.corrupt_lines) > 10 else ""
         print(f"note: {scan.path}: corrupt lines skipped: {lines}{more}", file=sys.stderr)
+
+
+#: How every journal record's line begins (records.py: the tag comes first).
+RECORD_START: Final = b'{"kind":'
+
+#: The first line is looked for this far (an intent's arguments are summarised: far less).
+FIRST_LINE_BYTES: Final = 1 << 20
+
+
+def _starts_like_journal(path: str) -> bool:
+    """Empty, or its first line is a record (a lone torn line: begins like one). OSError as
+    ``open`` raises it. Checked before parsing: a big file of something else would have the
+    parser warn once a line."""
+    with open(path, "rb") as f:
+        head = f.read(FIRST_LINE_BYTES)
+    first, newline, _ = head.partition(b"\n")
+    if not newline:
+        return first == RECORD_START[: len(first)] or first.startswith(RECORD_START)
+    try:
+        decoder.decode(first)
+    except msgspec.DecodeError:
+        return False
+    return True
+
+
+def looks_like_journal(scan: JournalScan) -> bool:
+    """Not a file of something else: records in it, or no line that failed to parse."""
+    return bool(scan.records) or not scan.corrupt_lines
 
 
 # -- in-doubt --------------------------------------------------------------------------------
@@ -197,6 +246,32 @@ def _latency_cells(value: Latency) -> list[str]:
     return [str(value.count), *(f"{s:.4f}" for s in seconds)]
 
 
+# -- timeline -------------------------------------------------------------------------------
+
+
+def _cmd_timeline(args: argparse.Namespace, scan: JournalScan) -> int:
+    from sandbx_pool.timeline import ChromiumFailed, ChromiumMissing, write_timeline
+
+    if args.output is None and args.png is None:
+        print(
+            "sandbx-pool journal timeline: give -o FILE.html, --png FILE.png or both",
+            file=sys.stderr,
+        )
+        return EXIT_UNREADABLE
+    try:
+        timeline = write_timeline(scan, args.output, args.png)
+    except (ChromiumMissing, ChromiumFailed) as exc:
+        print(f"sandbx-pool journal timeline: --png: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    except OSError as exc:
+        where = exc.filename or args.output or args.png
+        print(f"sandbx-pool journal timeline: {where}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    written = " and ".join(name for name in (args.output, args.png) if name is not None)
+    print(f"{len(timeline.bars)} calls on {timeline.lanes} slots: {written}", file=sys.stderr)
+    return 0
+
+
 # -- show ------------------------------------------------------------------------------------
 
 
@@ -208,6 +283,12 @@ def _cmd_show(args: argparse.Namespace, scan: JournalScan) -> int:
             sys.stdout.write(encoder.encode(record).decode() + "\n")
     else:
         print("\n".join(format_calls(records, doubts)))
+        if records:  # stderr: stdout stays the table
+            print(
+                f"see them all as a picture: sandbx-pool journal timeline {shlex.quote(scan.path)}"
+                " -o timeline.html",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -128,6 +128,10 @@ class SandbxConfig(BaseModel):
     #: working directory is a layer of its own over it (sandbx_pool.layers), copy-on-write,
     #: DIR never written. view="sample" only; the working directory is then the pool user's.
     base: str | None = None
+    #: The samples' network, replacing the pool config's ``[sandbox] network``: true, false or
+    #: host patterns (sandbx_pool.allow_list; ``network_hosts`` stays the pool config's). None:
+    #: the pool config's.
+    network: bool | tuple[str, ...] | None = None
 
     @field_validator("workdir")
     @classmethod
@@ -198,6 +202,11 @@ async def _open_task(settings: SandbxConfig) -> _Task:
     # sample given a `user` runs as that user, with none. view="sample": only the provider's
     # housekeeping keeps them; a call in a view never does (workers.sandbox).
     config = config.override(sandbox={"keep_root": True})
+    if settings.network is not None:
+        network = settings.network
+        config = config.override(
+            sandbox={"network": network if isinstance(network, bool) else list(network)}
+        )
     pool = Pool(
         settings.workspace,
         workers=settings.workers,

@@ -54,6 +54,7 @@ from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome, Status
 from sandbx_pool.preflight import check_call_arguments
+from sandbx_pool.telemetry import Telemetry, open_telemetry
 
 #: After a cancel is sent, how long the driver waits for the node's cancelled outcome before it
 #: gives up on the node (ray.cancel, then a ``cancelled`` outcome of its own). The node answers
@@ -152,6 +153,8 @@ class RayPool:
         self.address = address
         self.workers_per_node = workers_per_node
         self.journal: Journal | None = None
+        #: Spans of its calls, made here on the driver (the node pools send none).
+        self.telemetry: Telemetry | None = None
         self._journal_path = os.fspath(journal) if journal is not None else None
         self.state = RayPoolState.NEW
         self.placement = Placement()
@@ -182,6 +185,7 @@ class RayPool:
     async def start(self) -> None:
         if self.state is not RayPoolState.NEW:
             raise PoolClosed("a pool is started once")
+        self.telemetry = open_telemetry(self.config.telemetry)
         ray = import_ray()
         if not ray.is_initialized():
             ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
@@ -205,6 +209,8 @@ class RayPool:
             await asyncio.wait(drivers, timeout=self.config.pool.close_timeout_s + CANCEL_ANSWER_S)
         if self.journal is not None:
             await self.journal.close()
+        if self.telemetry is not None:
+            await self.telemetry.close()
         if self._started_ray:
             import_ray().shutdown()
         self.state = RayPoolState.CLOSED
@@ -250,7 +256,8 @@ class RayPool:
         flight = _Flight(self._handle(node), uuid.uuid4().hex, node, call, call_id)
         self._flights[call_id] = flight
         unsubscribe = token_subscription(cancel, flight)
-        driver = asyncio.create_task(flight.drive(self.journal, partial(self._run, flight)))
+        run = partial(self._run, flight)
+        driver = asyncio.create_task(flight.drive(self.journal, run, self.telemetry))
         driver.set_name(call_id)
         self._drivers.add(driver)
         driver.add_done_callback(self._drivers.discard)

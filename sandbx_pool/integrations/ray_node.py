@@ -21,7 +21,7 @@ from typing import Any, Final
 import msgspec
 
 from sandbx_pool.cancel import CancelToken
-from sandbx_pool.config import Config
+from sandbx_pool.config import Config, TelemetrySettings
 from sandbx_pool.errors import TemplateLost
 from sandbx_pool.outcome import Outcome
 from sandbx_pool.pool import Pool
@@ -50,6 +50,8 @@ class NodePool:
     def __init__(self, node_id: str, config: Config, workers: int | None) -> None:
         self.node_id = node_id
         # The node's pool journals nothing: its callers do (RayPool), or choose not to.
+        # The driver journals and sends the spans (RayPool): the node's pool does neither.
+        config = msgspec.structs.replace(config, telemetry=TelemetrySettings())
         self._config = config.override(journal={"policy": "off"})
         self._workers = workers
         self._pool: Pool | None = None

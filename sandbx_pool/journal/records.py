@@ -95,6 +95,9 @@ class IntentRecord(Record, tag="intent", frozen=True, kw_only=True):
     layer: str | None = None
     #: The shell session the call ran in (sandbx_pool.sessions); absent: none.
     session: str | None = None
+    #: The call's network when it had one of its own (Pool.call's ``network``); absent: the
+    #: pool's config's.
+    network: bool | list[str] | None = None
 
 
 class StartedRecord(Record, tag="started", frozen=True, kw_only=True):
@@ -127,6 +130,8 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
     #: A session's call: the session's state after it (Outcome.session), restored from the
     #: latest such record when a pool opens the journal again.
     session: dict[str, Any] | None = None
+    #: The hosts the network proxy refused the call (an allow-list): value["network_denied"].
+    network_denied: list[str] | None = None
 
     @classmethod
     def from_outcome(cls, outcome: Outcome, *, time: float, limit: int) -> OutcomeRecord:
@@ -150,7 +155,14 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
             node=outcome.node,
             changes=outcome.changes,
             session=outcome.session,
+            network_denied=_denied(outcome.value),
         )
+
+
+def _denied(value: dict[str, Any] | None) -> list[str] | None:
+    """The outcome's ``network_denied``, kept whole (the proxy bounds it) past the summary."""
+    denied = value.get("network_denied") if value is not None else None
+    return [str(host) for host in denied] if isinstance(denied, list) else None
 
 
 class InDoubtRecord(Record, tag="in_doubt", frozen=True, kw_only=True):

@@ -180,6 +180,7 @@ class Journal:
         changes: str | None = None,
         layer: str | None = None,
         session: str | None = None,
+        network: bool | list[str] | None = None,
     ) -> None:
         """Journal a call about to be dispatched; return once it is as durable as required.
 
@@ -207,6 +208,7 @@ class Journal:
                 changes=changes,
                 layer=layer,
                 session=session,
+                network=network,
             )
 
         if call_id in self._open_calls:

@@ -1,0 +1,67 @@
+"""A batch run drawn: every call of a journal as a bar on its worker slot, in one HTML page.
+
+    journal file --journal.reader--> JournalScan --model.build_timeline--> Timeline (bars, lanes)
+        --page.render_page--> self-contained HTML --browser.screenshot--> PNG (headless Chromium)
+
+``sandbx-pool journal timeline J -o FILE.html [--png FILE.png]`` and ``run --timeline FILE.html``
+call ``write_timeline``. Nothing here is imported by a pool: it reads a journal, like the rest
+of ``sandbx-pool journal``, and never changes one.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sandbx_pool.journal.reader import JournalScan
+from sandbx_pool.timeline.browser import ChromiumFailed, ChromiumMissing, screenshot
+from sandbx_pool.timeline.model import Bar, Timeline, build_timeline
+from sandbx_pool.timeline.page import PNG_WIDTH_PX, page_height, render_page
+
+
+def write_timeline(
+    scan: JournalScan,
+    html_path: str | os.PathLike[str] | None = None,
+    png_path: str | os.PathLike[str] | None = None,
+) -> Timeline:
+    """Write ``scan``'s timeline as an HTML page and/or a PNG of it.
+
+    The page is written whole to a temp file beside ``html_path``, then renamed: a reader never
+    opens half a page. A PNG without a page renders from a temp page removed after.
+    ChromiumMissing / ChromiumFailed (the PNG only; the page is written first)."""
+    timeline = build_timeline(scan)
+    text = render_page(timeline)
+    if html_path is not None:
+        _write_whole(os.fspath(html_path), text)
+    if png_path is not None:
+        page = os.fspath(html_path) if html_path is not None else None
+        if page is None:
+            page = os.fspath(png_path) + ".tmp.html"
+            _write_whole(page, text)
+        try:
+            screenshot(page, png_path, width=PNG_WIDTH_PX, height=page_height(timeline))
+        finally:
+            if html_path is None:
+                os.unlink(page)
+    return timeline
+
+
+def _write_whole(path: str, text: str) -> None:
+    temp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(temp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
+
+
+__all__ = [
+    "Bar",
+    "ChromiumFailed",
+    "ChromiumMissing",
+    "Timeline",
+    "build_timeline",
+    "write_timeline",
+]
