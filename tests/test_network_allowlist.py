@@ -765,3 +765,55 @@ async def test_another_pools_call_cannot_register_with_this_pools_proxy(
     assert outcome.value is not None
     assert outcome.value["stdout"].split() == ["refused"], outcome.value
     assert server.seen == []
+
+
+# -- with sessions and layers ------------------------------------------------------------------
+
+
+@needs_allow_list
+async def test_a_session_does_not_carry_one_calls_proxy_port_into_the_next(
+    workspace: Path, server: Server
+) -> None:
+    # Each allow-listed call listens on a port of its own: a session that kept the first
+    # call's HTTP_PROXY would send the next call's requests to a port nobody listens on.
+    allow = [f"index.test:{server.port}"]
+    fetch = f"curl -sS -m 10 -o /dev/null -w '%{{http_code}}' http://index.test:{server.port}/a"
+    async with Pool(workspace, config=allow_config(allow), workers=2) as pool:
+        outcomes = [
+            await pool.call("bash", {"command": f"export KEEP=1; {fetch}"}, session="net")
+            for _ in range(3)
+        ]
+        state = await pool.session("net")
+    for outcome in outcomes:
+        assert outcome.status == "ok", outcome
+        assert outcome.value is not None
+        assert outcome.value["stdout"] == "200", outcome.value
+    assert state["env"] == {"KEEP": "1"}, "the proxy variables are the call's, not the session's"
+
+
+@needs_allow_list
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+async def test_an_allow_listed_call_in_a_layer_reaches_only_its_hosts(
+    tmp_path: Path, server: Server
+) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    allow = [f"index.test:{server.port}"]
+    config = allow_config(allow).override(workspace={"layers": str(tmp_path / "layers")})
+    async with Pool(tmp_path, config=config, workers=2) as pool:
+        ws = await pool.layer("net", base=str(base))
+        outcome = await pool.call(
+            "bash",
+            {
+                "command": f"curl -sS -m 10 http://index.test:{server.port}/b > got; "
+                f"curl -sS -m 10 -o /dev/null -w '%{{http_code}}' http://evil.test:{server.port}/"
+            },
+            workspace=ws,
+        )
+        changed = await ws.diff()
+    assert outcome.status == "ok", outcome
+    assert outcome.value is not None
+    assert outcome.value["stdout"] == "403"
+    assert outcome.value["network_denied"] == ["evil.test"]
+    assert [c["path"] for c in changed] == ["got"]
+    assert not (base / "got").exists()

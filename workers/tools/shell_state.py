@@ -27,7 +27,8 @@ says so.
 
 Variables the session never carries (``RESERVED``): what the pool sets per call or for the
 confinement (TMPDIR, the call's private one; HOME, USER and LOGNAME, set for the call's user
-or a readable HOME), what bash keeps itself (PWD, OLDPWD, SHLVL, ``_``), and what would act on
+or a readable HOME; an allow-listed call's proxy variables, naming a port of that call's own
+namespace: workers.netns), what bash keeps itself (PWD, OLDPWD, SHLVL, ``_``), and what would act on
 the next call's bash before its wrapper does (BASH_ENV, ENV, SHELLOPTS, BASHOPTS,
 BASH_XTRACEFD). The session's
 exports are applied to bash's environment after the worker is confined: the confinement
@@ -52,6 +53,9 @@ RESERVED: Final = frozenset(
     # What would run code or switch options in the next call's bash before its wrapper (a
     # startup file, xtrace printing the wrapper's own lines into the command's output).
     | {"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "BASH_XTRACEFD"}
+    # An allow-listed call's way to its proxy: a port in that call's namespace only.
+    | {"HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"}
+    | {"http_proxy", "https_proxy", "all_proxy", "no_proxy"}
 )
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
