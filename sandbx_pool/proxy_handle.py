@@ -24,9 +24,8 @@ import os
 import socket
 import subprocess
 
-from loguru import logger
-
 from sandbx_pool.interpreter import CHILD_CWD, python_command
+from sandbx_pool.logs import logger
 
 #: The proxy's control socket, in the pool's runtime directory (hidden from every call).
 SOCKET_NAME = "proxy.sock"
