@@ -765,3 +765,67 @@ async def test_another_pools_call_cannot_register_with_this_pools_proxy(
     assert outcome.value is not None
     assert outcome.value["stdout"].split() == ["refused"], outcome.value
     assert server.seen == []
+
+
+class Holder:
+    """A tunnel's far end that never answers nor closes: it only notes each connection's EOF."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.opened = 0
+        self.closed = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.opened += 1
+            threading.Thread(target=self._until_eof, args=(conn,), daemon=True).start()
+
+    def _until_eof(self, conn: socket.socket) -> None:
+        with conn:
+            while conn.recv(4096):
+                pass
+        self.closed += 1
+
+
+HOLD = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    proxy = ("127.0.0.1", int(os.environ["HTTPS_PROXY"].rsplit(":", 1)[1]))
+    s = socket.create_connection(proxy, timeout=10)
+    s.sendall(f"CONNECT index.test:{sys.argv[1]} HTTP/1.1\\r\\n\\r\\n".encode())
+    print(s.recv(4096).split(b" ")[1].decode(), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@needs_allow_list
+async def test_no_tunnel_outlives_its_call(workspace: Path) -> None:
+    """A call killed at its timeout with a tunnel open, and one that ends leaving a process
+    holding one: the upstream connection is closed with the call, not left to the far end."""
+    holder = Holder()
+    (workspace / "hold.py").write_text(HOLD)
+    try:
+        config = allow_config([f"index.test:{holder.port}"])
+        async with Pool(workspace, config=config, workers=2) as pool:
+            command = f"{PYTHON} hold.py {holder.port}"
+            killed = await pool.call("bash", {"command": command}, timeout=3)
+            assert killed.status == "timeout", killed
+            background = f"({command} > held.txt &); until [ -s held.txt ]; do sleep 0.05; done"
+            ended = await pool.call("bash", {"command": background}, timeout=60)
+            assert ended.ok, ended
+            assert (workspace / "held.txt").read_text().strip() == "200"  # noqa: ASYNC240
+            assert holder.opened == 2
+            deadline = time.monotonic() + 10
+            while holder.closed < 2:  # the outside world: the proxy closing its connections
+                assert time.monotonic() < deadline, f"{holder.closed} of 2 tunnels closed"
+                await asyncio.sleep(0.05)
+    finally:
+        holder.sock.close()
