@@ -251,8 +251,7 @@ class Proxy:
             await _answer(writer, 403, f"{request.host}:{request.port} is not on the allow-list")
             return
         try:
-            async with link.resolving, asyncio.timeout(RESOLVE_TIMEOUT_S):
-                address = await self._resolve(request.host, request.port)
+            address = await self._lookup(link, request.host, request.port)
         except TimeoutError:
             await _answer(writer, 504, f"resolving {request.host} took too long")
             return
@@ -280,6 +279,17 @@ class Proxy:
             await _relay(reader, writer, up_reader, up_writer, tunnel=request.tunnel)
         finally:
             up_writer.close()
+
+    async def _lookup(self, link: CallLink, host: str, port: int) -> str:
+        """``_resolve`` in one of the call's lookup slots, within RESOLVE_TIMEOUT_S. The slot
+        is freed when the lookup ends, not when it is given up on: getaddrinfo's thread cannot
+        be stopped, and a call whose names time out would otherwise hold ever more of the
+        threads every call's lookups share."""
+        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+            await link.resolving.acquire()
+            lookup = asyncio.ensure_future(self._resolve(host, port))
+            lookup.add_done_callback(partial(_free_slot, link.resolving))
+            return await asyncio.shield(lookup)
 
     async def _resolve(self, host: str, port: int) -> str:
         pinned = self.hosts.get(host)
@@ -320,6 +330,12 @@ def _a_call_listener(listener: socket.socket) -> bool:
     """What workers.netns sends: a listening TCP socket (of the call's namespace). Anything
     else (a unix socket, which would reach the host's namespace from anywhere) is not served."""
     return listener.family == socket.AF_INET and listener.type == socket.SOCK_STREAM
+
+
+def _free_slot(slot: asyncio.Semaphore, lookup: asyncio.Future[str]) -> None:
+    slot.release()
+    if not lookup.cancelled():
+        lookup.exception()  # retrieved: one given up on is not "never retrieved" noise
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

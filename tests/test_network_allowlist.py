@@ -30,6 +30,7 @@ from conftest import marked_config
 from sandbx_pool import ConfigError, Pool
 from sandbx_pool.allow_list import parse_network, permits
 from sandbx_pool.batch.calls import BatchFileError, parse_batch
+from sandbx_pool import proxy as proxy_module
 from sandbx_pool.proxy import MAX_CONNECTIONS_PER_CALL, CallLink, Proxy, reachable
 from sandbx_pool.proxy_requests import BadRequest, parse_head
 
@@ -829,3 +830,41 @@ async def test_no_tunnel_outlives_its_call(workspace: Path) -> None:
                 await asyncio.sleep(0.05)
     finally:
         holder.sock.close()
+
+
+class SlowNames(Proxy):
+    """The proxy with a resolver that answers after ``seconds`` on a thread, as getaddrinfo
+    does against a name server that is slow (the outside world this test cannot arrange)."""
+
+    seconds = 1.0
+
+    async def _resolve(self, host: str, port: int) -> str:
+        await asyncio.get_running_loop().run_in_executor(None, time.sleep, self.seconds)
+        return "127.0.0.1"
+
+
+async def test_a_lookup_given_up_on_holds_its_slot_until_its_thread_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name that times out answers 504, but its thread runs on: the call's slot stays
+    taken until it ends, so one call's slow names never hold more than its share of threads."""
+    monkeypatch.setattr(proxy_module, "RESOLVE_TIMEOUT_S", 0.2)
+    proxy = SlowNames({})
+    link = CallLink("c1", ("slow.test",))
+
+    async def ask() -> bytes:
+        ours, theirs = socket.socketpair()
+        with ours:
+            ours.sendall(b"CONNECT slow.test:443 HTTP/1.1\r\n\r\n")
+            reader, writer = await asyncio.open_connection(sock=theirs)
+            await asyncio.wait_for(proxy._client(link, reader, writer), 5)
+            ours.setblocking(False)
+            return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(ours, 4096), 5)
+
+    answers = await asyncio.gather(*(ask() for _ in range(proxy_module.RESOLVING_PER_CALL)))
+    assert all(answer.startswith(b"HTTP/1.1 504") for answer in answers), answers
+    assert link.resolving.locked()  # the threads still run: the slots are still theirs
+    deadline = time.monotonic() + 10
+    while link.resolving.locked():  # freed when the threads end
+        assert time.monotonic() < deadline, "a lookup's slot was never freed"
+        await asyncio.sleep(0.05)
