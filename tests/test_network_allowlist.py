@@ -233,9 +233,17 @@ def test_internal_addresses_are_not_reachable_by_a_listed_name() -> None:
         "::ffff:127.0.0.1",
         "fe80::1",
         "224.0.0.1",
+        # IPv6 that a translator on the way turns into an internal IPv4 address (a cloud's
+        # DNS64/NAT64 gateway reaches the VPC's private hosts): judged by what it carries.
+        "64:ff9b::a00:5",  # NAT64: 10.0.0.5
+        "64:ff9b::a9fe:a9fe",  # NAT64: 169.254.169.254
+        "64:ff9b:1::a00:5",  # local-use NAT64: anywhere its operator routes
+        "2002:a9fe:a9fe::1",  # 6to4 of 169.254.169.254
+        "::7f00:1",  # IPv4-compatible 127.0.0.1
     ]:
         assert not reachable(address), address
     assert reachable("93.184.215.14")
+    assert reachable("64:ff9b::5db8:d70e")  # NAT64 of a public address: what NAT64 is for
 
 
 async def test_a_bad_per_call_network_is_a_value_error(workspace: Path, tmp_path: Path) -> None:
