@@ -86,6 +86,9 @@ CONNECT_TIMEOUT_S = 15.0
 MAX_CONNECTIONS_PER_CALL = 32
 #: Distinct refused hosts kept per call (the outcome's ``network_denied``).
 MAX_DENIED = 64
+#: Each of them cut to this (a host name's 253, and a port): 64 of them, JSON-escaped, fit
+#: the worker's read of the answer many times over.
+MAX_DENIED_CHARS = 260
 #: Name lookups of one call at once, and how long one may take (then 504). Lookups run on
 #: threads (getaddrinfo blocks); a call whose names resolve slowly (a wildcard's random
 #: subdomains) holds two of them at most, never every other call's.
@@ -119,6 +122,10 @@ class CallLink:
             task.cancel()
 
     def deny(self, host: str) -> None:
+        # Clipped and ASCII: a refused target may be 16 KiB of anything, and the answer to
+        # "done" must fit the worker's one datagram read (workers.netns), or the whole list
+        # is lost: a call could hide what it was refused behind a few huge targets.
+        host = host.encode("ascii", "backslashreplace").decode()[:MAX_DENIED_CHARS]
         if host not in self.denied and len(self.denied) < MAX_DENIED:
             self.denied.append(host)
 

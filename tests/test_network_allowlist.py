@@ -876,3 +876,20 @@ async def test_a_lookup_given_up_on_holds_its_slot_until_its_thread_is_done(
     while link.resolving.locked():  # freed when the threads end
         assert time.monotonic() < deadline, "a lookup's slot was never freed"
         await asyncio.sleep(0.05)
+
+
+@needs_allow_list
+async def test_huge_refused_targets_cannot_hide_what_was_refused(
+    workspace: Path, server: Server
+) -> None:
+    """A refused target is kept in network_denied as written; a dozen of 6,000 bytes made the
+    proxy's answer larger than the worker reads, and the whole list was lost."""
+    huge = [(f"junk{n}", f"CONNECT [{n}{'x' * 6000}]:443 HTTP/1.1\r\n\r\n", "") for n in range(12)]
+    async with Pool(workspace, config=allow_config([f"index.test:{server.port}"])) as pool:
+        asks = [("evil", "CONNECT evil.test:443 HTTP/1.1\r\n\r\n", ""), *huge]
+        value, answers = await run_client(pool, workspace, asks)
+    assert {answer[0] for answer in answers.values()} == {"403"}
+    denied = value["network_denied"]
+    assert denied[0] == "evil.test"
+    assert len(denied) == 13
+    assert all(len(host) <= proxy_module.MAX_DENIED_CHARS for host in denied)
