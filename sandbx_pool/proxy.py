@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import os
 import resource
@@ -69,6 +68,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from sandbx_pool import allow_list
+from sandbx_pool.allow_list import reachable
 from sandbx_pool.proxy_requests import BadRequest, Request, parse_head
 from sandbx_pool.runtime_dir import parent_pid
 from sandbx_pool.workers import _libc
@@ -132,48 +132,6 @@ class CallLink:
 
 class Refused(Exception):
     """A name on the list that may still not be reached (it resolves somewhere internal)."""
-
-
-def _own_address(address: str) -> bool:
-    """Whether ``address`` is one of this host's own: binding to it succeeds only then."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.bind((address, 0))
-        except OSError:
-            return False
-    return True
-
-
-#: IPv6 prefixes whose addresses carry an IPv4 one in their last 32 bits, which a translator
-#: on the way reaches (NAT64's well-known prefix, RFC 6052; IPv4-compatible, deprecated): a
-#: cloud's DNS64/NAT64 gateway turns 64:ff9b::a00:5 into 10.0.0.5 inside its network.
-_CARRY_IPV4_LAST = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("::/96"))
-#: NAT64 for local use (RFC 8215): any prefix length, to any network the operator likes.
-_LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
-
-
-def _embedded(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The IPv4 address ``ip`` reaches through a mapping or a translator, if it carries one."""
-    if ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    if ip.sixtofour is not None:
-        return ip.sixtofour
-    if any(ip in prefix for prefix in _CARRY_IPV4_LAST):
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    return None
-
-
-def reachable(address: str) -> bool:
-    """A global address that is not this host's own (the module's docstring says why); an
-    IPv6 one that carries an IPv4 address (mapped, 6to4, NAT64) is judged by that."""
-    ip: ipaddress.IPv4Address | ipaddress.IPv6Address
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip in _LOCAL_NAT64:
-            return False
-        ip = _embedded(ip) or ip
-    return ip.is_global and not ip.is_multicast and not _own_address(str(ip))
 
 
 class Proxy:

@@ -28,9 +28,9 @@ import pytest
 from conftest import marked_config
 
 from sandbx_pool import ConfigError, Pool
+from sandbx_pool import proxy as proxy_module
 from sandbx_pool.allow_list import parse_network, permits
 from sandbx_pool.batch.calls import BatchFileError, parse_batch
-from sandbx_pool import proxy as proxy_module
 from sandbx_pool.proxy import MAX_CONNECTIONS_PER_CALL, CallLink, Proxy, reachable
 from sandbx_pool.proxy_requests import BadRequest, parse_head
 
@@ -830,7 +830,7 @@ async def test_no_tunnel_outlives_its_call(workspace: Path) -> None:
             background = f"({command} > held.txt &); until [ -s held.txt ]; do sleep 0.05; done"
             ended = await pool.call("bash", {"command": background}, timeout=60)
             assert ended.ok, ended
-            assert (workspace / "held.txt").read_text().strip() == "200"  # noqa: ASYNC240
+            assert (workspace / "held.txt").read_text().strip() == "200"
             assert holder.opened == 2
             deadline = time.monotonic() + 10
             while holder.closed < 2:  # the outside world: the proxy closing its connections
