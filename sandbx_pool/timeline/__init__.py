@@ -27,7 +27,15 @@ def write_timeline(
 
     The page is written whole to a temp file beside ``html_path``, then renamed: a reader never
     opens half a page. A PNG without a page renders from a temp page removed after.
-    ChromiumMissing / ChromiumFailed (the PNG only; the page is written first)."""
+    ChromiumMissing / ChromiumFailed (the PNG only; the page is written first); ValueError
+    naming an output that is the journal itself, or both outputs one file (a typo that would
+    replace the journal with a page, or the page with a picture)."""
+    outputs = [os.fspath(p) for p in (html_path, png_path) if p is not None]
+    for output in outputs:
+        if same_file(output, scan.path):
+            raise ValueError(f"{output} is the journal itself: name another file to write")
+    if len(outputs) == 2 and same_file(*outputs):
+        raise ValueError(f"{outputs[0]}: the page and the PNG must be two files")
     timeline = build_timeline(scan)
     text = render_page(timeline)
     if html_path is not None:
@@ -43,6 +51,16 @@ def write_timeline(
             if html_path is None:
                 os.unlink(page)
     return timeline
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: one path, or links to one inode."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False  # one of them does not exist yet: not the same file
 
 
 def _write_whole(path: str, text: str) -> None:
@@ -63,5 +81,6 @@ __all__ = [
     "ChromiumMissing",
     "Timeline",
     "build_timeline",
+    "same_file",
     "write_timeline",
 ]
