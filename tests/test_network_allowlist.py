@@ -893,3 +893,22 @@ async def test_huge_refused_targets_cannot_hide_what_was_refused(
     assert denied[0] == "evil.test"
     assert len(denied) == 13
     assert all(len(host) <= proxy_module.MAX_DENIED_CHARS for host in denied)
+
+
+@needs_allow_list
+async def test_the_proxy_starts_with_the_first_listed_call_and_stops_with_the_pool(
+    workspace: Path,
+) -> None:
+    async with Pool(workspace, config=allow_config(True)) as pool:
+        assert (await pool.call("bash", {"command": "true"}, timeout=60)).ok
+        assert (await pool.call("bash", {"command": "true"}, network=False, timeout=60)).ok
+        assert pool._proxy is None  # no call asked for a list: nothing started
+        listed = await pool.call("bash", {"command": "true"}, network=["index.test"], timeout=60)
+        assert listed.ok, listed
+        handle = pool._proxy
+        assert handle is not None
+        assert handle.process is not None
+        process = handle.process
+        assert process.poll() is None
+    assert process.poll() is not None  # waited for by close, not left to anyone
+    assert not Path(handle.path).exists()  # noqa: ASYNC240 (a stat, after the pool)
