@@ -10,7 +10,9 @@ of ``sandbx-pool journal``, and never changes one.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 
 from sandbx_pool.journal.reader import JournalScan
 from sandbx_pool.timeline.browser import ChromiumFailed, ChromiumMissing, screenshot
@@ -64,15 +66,31 @@ def same_file(a: str, b: str) -> bool:
 
 
 def _write_whole(path: str, text: str) -> None:
-    temp = f"{path}.tmp-{os.getpid()}"
+    # A name of its own, made exclusively: a predictable one in a shared directory (/tmp)
+    # could be a link someone else left, and the page would be written through it.
+    fd, temp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=_folder(path))
     try:
-        with open(temp, "w", encoding="utf-8") as f:
+        os.fchmod(fd, 0o666 & ~_umask())  # the page's mode as open() would have made it
+        with open(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(temp, path)
     except BaseException:
-        if os.path.exists(temp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
+
+
+def _umask() -> int:
+    """This process's umask, read rather than set and reset (another thread may be creating)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
+
+
+def _folder(path: str) -> str:
+    return os.path.dirname(os.path.abspath(path))
 
 
 __all__ = [
