@@ -16,13 +16,15 @@ proxy), and ``network_hosts`` is where a name is pinned to an address.
 
 ``network_hosts`` maps names to the addresses the proxy uses for them, DNS unasked: a local
 mirror, a test's server on loopback. Only such a pinned name may reach a loopback, private or
-link-local address, or one of the host's own (sandbx_pool.proxy says why).
+link-local address, or one of the host's own (sandbx_pool.proxy says why): ``reachable``
+judges an address the proxy resolved.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 
 #: The ports a pattern without one allows: an HTTPS tunnel's, and plain HTTP's.
 TUNNEL_PORT = 443
@@ -107,6 +109,48 @@ def parse_hosts(value: object, where: str = "network_hosts") -> dict[str, str]:
     return hosts
 
 
+def _own_address(address: str) -> bool:
+    """Whether ``address`` is one of this host's own: binding to it succeeds only then."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+#: IPv6 prefixes whose addresses carry an IPv4 one in their last 32 bits, which a translator
+#: on the way reaches (NAT64's well-known prefix, RFC 6052; IPv4-compatible, deprecated): a
+#: cloud's DNS64/NAT64 gateway turns 64:ff9b::a00:5 into 10.0.0.5 inside its network.
+_CARRY_IPV4_LAST = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("::/96"))
+#: NAT64 for local use (RFC 8215): any prefix length, to any network the operator likes.
+_LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
+
+
+def _embedded(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address ``ip`` reaches through a mapping or a translator, if it carries one."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if any(ip in prefix for prefix in _CARRY_IPV4_LAST):
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def reachable(address: str) -> bool:
+    """A global address that is not this host's own (sandbx_pool.proxy says why); an
+    IPv6 one that carries an IPv4 address (mapped, 6to4, NAT64) is judged by that."""
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _LOCAL_NAT64:
+            return False
+        ip = _embedded(ip) or ip
+    return ip.is_global and not ip.is_multicast and not _own_address(str(ip))
+
+
 def permits(patterns: tuple[str, ...] | list[str], host: str, port: int, *, tunnel: bool) -> bool:
     """Whether ``host:port`` (a lower-cased name) is on the list, for a tunnel or plain HTTP."""
     for pattern in patterns:
@@ -132,4 +176,5 @@ __all__ = [
     "parse_hosts",
     "parse_network",
     "permits",
+    "reachable",
 ]

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import os
 import resource
@@ -69,6 +68,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from sandbx_pool import allow_list
+from sandbx_pool.allow_list import reachable
 from sandbx_pool.proxy_requests import BadRequest, Request, parse_head
 from sandbx_pool.runtime_dir import parent_pid
 from sandbx_pool.workers import _libc
@@ -86,6 +86,9 @@ CONNECT_TIMEOUT_S = 15.0
 MAX_CONNECTIONS_PER_CALL = 32
 #: Distinct refused hosts kept per call (the outcome's ``network_denied``).
 MAX_DENIED = 64
+#: Each of them cut to this (a host name's 253, and a port): 64 of them, JSON-escaped, fit
+#: the worker's read of the answer many times over.
+MAX_DENIED_CHARS = 260
 #: Name lookups of one call at once, and how long one may take (then 504). Lookups run on
 #: threads (getaddrinfo blocks); a call whose names resolve slowly (a wildcard's random
 #: subdomains) holds two of them at most, never every other call's.
@@ -119,31 +122,16 @@ class CallLink:
             task.cancel()
 
     def deny(self, host: str) -> None:
+        # Clipped and ASCII: a refused target may be 16 KiB of anything, and the answer to
+        # "done" must fit the worker's one datagram read (workers.netns), or the whole list
+        # is lost: a call could hide what it was refused behind a few huge targets.
+        host = host.encode("ascii", "backslashreplace").decode()[:MAX_DENIED_CHARS]
         if host not in self.denied and len(self.denied) < MAX_DENIED:
             self.denied.append(host)
 
 
 class Refused(Exception):
     """A name on the list that may still not be reached (it resolves somewhere internal)."""
-
-
-def _own_address(address: str) -> bool:
-    """Whether ``address`` is one of this host's own: binding to it succeeds only then."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.bind((address, 0))
-        except OSError:
-            return False
-    return True
-
-
-def reachable(address: str) -> bool:
-    """A global address that is not this host's own (the module's docstring says why)."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_global and not ip.is_multicast and not _own_address(str(ip))
 
 
 class Proxy:
@@ -251,8 +239,7 @@ class Proxy:
             await _answer(writer, 403, f"{request.host}:{request.port} is not on the allow-list")
             return
         try:
-            async with link.resolving, asyncio.timeout(RESOLVE_TIMEOUT_S):
-                address = await self._resolve(request.host, request.port)
+            address = await self._lookup(link, request.host, request.port)
         except TimeoutError:
             await _answer(writer, 504, f"resolving {request.host} took too long")
             return
@@ -280,6 +267,17 @@ class Proxy:
             await _relay(reader, writer, up_reader, up_writer, tunnel=request.tunnel)
         finally:
             up_writer.close()
+
+    async def _lookup(self, link: CallLink, host: str, port: int) -> str:
+        """``_resolve`` in one of the call's lookup slots, within RESOLVE_TIMEOUT_S. The slot
+        is freed when the lookup ends, not when it is given up on: getaddrinfo's thread cannot
+        be stopped, and a call whose names time out would otherwise hold ever more of the
+        threads every call's lookups share."""
+        async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+            await link.resolving.acquire()
+            lookup = asyncio.ensure_future(self._resolve(host, port))
+            lookup.add_done_callback(partial(_free_slot, link.resolving))
+            return await asyncio.shield(lookup)
 
     async def _resolve(self, host: str, port: int) -> str:
         pinned = self.hosts.get(host)
@@ -320,6 +318,12 @@ def _a_call_listener(listener: socket.socket) -> bool:
     """What workers.netns sends: a listening TCP socket (of the call's namespace). Anything
     else (a unix socket, which would reach the host's namespace from anywhere) is not served."""
     return listener.family == socket.AF_INET and listener.type == socket.SOCK_STREAM
+
+
+def _free_slot(slot: asyncio.Semaphore, lookup: asyncio.Future[str]) -> None:
+    slot.release()
+    if not lookup.cancelled():
+        lookup.exception()  # retrieved: one given up on is not "never retrieved" noise
 
 
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

@@ -28,6 +28,7 @@ import pytest
 from conftest import marked_config
 
 from sandbx_pool import ConfigError, Pool
+from sandbx_pool import proxy as proxy_module
 from sandbx_pool.allow_list import parse_network, permits
 from sandbx_pool.batch.calls import BatchFileError, parse_batch
 from sandbx_pool.proxy import MAX_CONNECTIONS_PER_CALL, CallLink, Proxy, reachable
@@ -232,9 +233,17 @@ def test_internal_addresses_are_not_reachable_by_a_listed_name() -> None:
         "::ffff:127.0.0.1",
         "fe80::1",
         "224.0.0.1",
+        # IPv6 that a translator on the way turns into an internal IPv4 address (a cloud's
+        # DNS64/NAT64 gateway reaches the VPC's private hosts): judged by what it carries.
+        "64:ff9b::a00:5",  # NAT64: 10.0.0.5
+        "64:ff9b::a9fe:a9fe",  # NAT64: 169.254.169.254
+        "64:ff9b:1::a00:5",  # local-use NAT64: anywhere its operator routes
+        "2002:a9fe:a9fe::1",  # 6to4 of 169.254.169.254
+        "::7f00:1",  # IPv4-compatible 127.0.0.1
     ]:
         assert not reachable(address), address
     assert reachable("93.184.215.14")
+    assert reachable("64:ff9b::5db8:d70e")  # NAT64 of a public address: what NAT64 is for
 
 
 async def test_a_bad_per_call_network_is_a_value_error(workspace: Path, tmp_path: Path) -> None:
@@ -765,6 +774,144 @@ async def test_another_pools_call_cannot_register_with_this_pools_proxy(
     assert outcome.value is not None
     assert outcome.value["stdout"].split() == ["refused"], outcome.value
     assert server.seen == []
+
+
+class Holder:
+    """A tunnel's far end that never answers nor closes: it only notes each connection's EOF."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.opened = 0
+        self.closed = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.opened += 1
+            threading.Thread(target=self._until_eof, args=(conn,), daemon=True).start()
+
+    def _until_eof(self, conn: socket.socket) -> None:
+        with conn:
+            while conn.recv(4096):
+                pass
+        self.closed += 1
+
+
+HOLD = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    proxy = ("127.0.0.1", int(os.environ["HTTPS_PROXY"].rsplit(":", 1)[1]))
+    s = socket.create_connection(proxy, timeout=10)
+    s.sendall(f"CONNECT index.test:{sys.argv[1]} HTTP/1.1\\r\\n\\r\\n".encode())
+    print(s.recv(4096).split(b" ")[1].decode(), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@needs_allow_list
+async def test_no_tunnel_outlives_its_call(workspace: Path) -> None:
+    """A call killed at its timeout with a tunnel open, and one that ends leaving a process
+    holding one: the upstream connection is closed with the call, not left to the far end."""
+    holder = Holder()
+    (workspace / "hold.py").write_text(HOLD)
+    try:
+        config = allow_config([f"index.test:{holder.port}"])
+        async with Pool(workspace, config=config, workers=2) as pool:
+            command = f"{PYTHON} hold.py {holder.port}"
+            killed = await pool.call("bash", {"command": command}, timeout=3)
+            assert killed.status == "timeout", killed
+            background = f"({command} > held.txt &); until [ -s held.txt ]; do sleep 0.05; done"
+            ended = await pool.call("bash", {"command": background}, timeout=60)
+            assert ended.ok, ended
+            assert (workspace / "held.txt").read_text().strip() == "200"
+            assert holder.opened == 2
+            deadline = time.monotonic() + 10
+            while holder.closed < 2:  # the outside world: the proxy closing its connections
+                assert time.monotonic() < deadline, f"{holder.closed} of 2 tunnels closed"
+                await asyncio.sleep(0.05)
+    finally:
+        holder.sock.close()
+
+
+class SlowNames(Proxy):
+    """The proxy with a resolver that answers after ``seconds`` on a thread, as getaddrinfo
+    does against a name server that is slow (the outside world this test cannot arrange)."""
+
+    seconds = 1.0
+
+    async def _resolve(self, host: str, port: int) -> str:
+        await asyncio.get_running_loop().run_in_executor(None, time.sleep, self.seconds)
+        return "127.0.0.1"
+
+
+async def test_a_lookup_given_up_on_holds_its_slot_until_its_thread_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name that times out answers 504, but its thread runs on: the call's slot stays
+    taken until it ends, so one call's slow names never hold more than its share of threads."""
+    monkeypatch.setattr(proxy_module, "RESOLVE_TIMEOUT_S", 0.2)
+    proxy = SlowNames({})
+    link = CallLink("c1", ("slow.test",))
+
+    async def ask() -> bytes:
+        ours, theirs = socket.socketpair()
+        with ours:
+            ours.sendall(b"CONNECT slow.test:443 HTTP/1.1\r\n\r\n")
+            reader, writer = await asyncio.open_connection(sock=theirs)
+            await asyncio.wait_for(proxy._client(link, reader, writer), 5)
+            ours.setblocking(False)
+            return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(ours, 4096), 5)
+
+    answers = await asyncio.gather(*(ask() for _ in range(proxy_module.RESOLVING_PER_CALL)))
+    assert all(answer.startswith(b"HTTP/1.1 504") for answer in answers), answers
+    assert link.resolving.locked()  # the threads still run: the slots are still theirs
+    deadline = time.monotonic() + 10
+    while link.resolving.locked():  # freed when the threads end
+        assert time.monotonic() < deadline, "a lookup's slot was never freed"
+        await asyncio.sleep(0.05)
+
+
+@needs_allow_list
+async def test_huge_refused_targets_cannot_hide_what_was_refused(
+    workspace: Path, server: Server
+) -> None:
+    """A refused target is kept in network_denied as written; a dozen of 6,000 bytes made the
+    proxy's answer larger than the worker reads, and the whole list was lost."""
+    huge = [(f"junk{n}", f"CONNECT [{n}{'x' * 6000}]:443 HTTP/1.1\r\n\r\n", "") for n in range(12)]
+    async with Pool(workspace, config=allow_config([f"index.test:{server.port}"])) as pool:
+        asks = [("evil", "CONNECT evil.test:443 HTTP/1.1\r\n\r\n", ""), *huge]
+        value, answers = await run_client(pool, workspace, asks)
+    assert {answer[0] for answer in answers.values()} == {"403"}
+    denied = value["network_denied"]
+    assert denied[0] == "evil.test"
+    assert len(denied) == 13
+    assert all(len(host) <= proxy_module.MAX_DENIED_CHARS for host in denied)
+
+
+@needs_allow_list
+async def test_the_proxy_starts_with_the_first_listed_call_and_stops_with_the_pool(
+    workspace: Path,
+) -> None:
+    async with Pool(workspace, config=allow_config(True)) as pool:
+        assert (await pool.call("bash", {"command": "true"}, timeout=60)).ok
+        assert (await pool.call("bash", {"command": "true"}, network=False, timeout=60)).ok
+        assert pool._proxy is None  # no call asked for a list: nothing started
+        listed = await pool.call("bash", {"command": "true"}, network=["index.test"], timeout=60)
+        assert listed.ok, listed
+        handle = pool._proxy
+        assert handle is not None
+        assert handle.process is not None
+        process = handle.process
+        assert process.poll() is None
+    assert process.poll() is not None  # waited for by close, not left to anyone
+    assert not Path(handle.path).exists()  # noqa: ASYNC240 (a stat, after the pool)
 
 
 # -- with sessions and layers ------------------------------------------------------------------

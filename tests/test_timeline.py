@@ -222,6 +222,57 @@ def test_no_output_named_is_a_usage_error(tmp_path: Path) -> None:
     assert "-o FILE.html" in done.stderr
 
 
+def test_an_output_naming_the_journal_is_exit_2_and_the_journal_stays(tmp_path: Path) -> None:
+    """``-o run.jsonl`` (a typo, or a link to it) would have replaced the journal by a page."""
+    journal = write_journal(tmp_path / "j.jsonl", call("a", 0, 1))
+    kept = journal.read_bytes()
+    (tmp_path / "link.html").symlink_to(journal)
+    for argv in (
+        ["-o", str(journal)],
+        ["-o", str(tmp_path / "link.html")],
+        ["--png", str(journal)],
+        ["-o", str(tmp_path / "t.html"), "--png", str(tmp_path / "t.html")],
+    ):
+        done = cli("journal", "timeline", str(journal), *argv)
+        assert done.returncode == 2, (argv, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert journal.read_bytes() == kept
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_the_page_is_never_written_through_a_link_left_at_its_temp_name(tmp_path: Path) -> None:
+    """In a shared directory another user may leave a link where the page's temp file goes:
+    the page must not be written through it (to the link's target)."""
+    journal = write_journal(tmp_path / "j.jsonl", call("a", 0, 1))
+    victim = tmp_path / "victim"
+    victim.write_text("kept\n")
+    page = tmp_path / "t.html"
+    (tmp_path / f"t.html.tmp-{os.getpid()}").symlink_to(victim)
+    write_timeline(read_journal(str(journal)), page)
+    assert victim.read_text() == "kept\n"
+    assert page.read_text().startswith("<!doctype html>")
+    assert page.stat().st_mode & 0o777 == 0o666 & ~current_umask()
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_run_with_the_timeline_its_journal_exits_2_before_running(tmp_path: Path) -> None:
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text('{"tool": "ls"}\n')
+    journal = tmp_path / "j.jsonl"
+    done = cli(
+        "run", str(calls), "--workspace", str(tmp_path), "--journal", str(journal),
+        "--timeline", str(journal),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "is the --journal" in done.stderr
+    assert not journal.exists()
+
+
 def test_a_page_that_cannot_be_written_is_exit_2_leaving_nothing(tmp_path: Path) -> None:
     journal = write_journal(tmp_path / "j.jsonl", call("a", 0, 1))
     done = cli("journal", "timeline", str(journal), "-o", str(tmp_path / "no" / "t.html"))

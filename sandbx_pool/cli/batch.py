@@ -174,7 +174,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             os.makedirs(args.output_dir, exist_ok=True)
         except OSError as exc:
             return _usage_error("run", f"--output-dir {args.output_dir}: {exc.strerror or exc}")
-    problem = _timeline_problem(args.timeline)
+    problem = _timeline_problem(args.timeline, args.journal)
     if problem is not None:
         return _usage_error("run", problem)
     problem = workspace_problem(args.workspace)
@@ -337,11 +337,15 @@ def _run(
     return run_until_signalled(main)
 
 
-def _timeline_problem(path: str | None) -> str | None:
+def _timeline_problem(path: str | None, journal: str | None) -> str | None:
     """Why ``--timeline`` cannot be written there, checked before the batch: a typo found
-    after a long batch would lose its picture."""
+    after a long batch would lose its picture (or, naming the journal, the journal)."""
     if path is None:
         return None
+    from sandbx_pool.timeline import same_file
+
+    if journal is not None and same_file(path, journal):
+        return f"--timeline {path} is the --journal: the page would replace it"
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         return f"--timeline {path}: no such directory {folder}"
@@ -361,6 +365,9 @@ def _write_timeline(path: str, journal: str | None) -> None:
         return
     try:
         timeline = write_timeline(read_journal(journal), path)
+    except ValueError as exc:
+        print(f"sandbx-pool run: --timeline: {exc}", file=sys.stderr)
+        return
     except OSError as exc:
         print(f"sandbx-pool run: --timeline {path}: {exc.strerror or exc}", file=sys.stderr)
         return

@@ -263,6 +263,9 @@ def _cmd_timeline(args: argparse.Namespace, scan: JournalScan) -> int:
     except (ChromiumMissing, ChromiumFailed) as exc:
         print(f"sandbx-pool journal timeline: --png: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
+    except ValueError as exc:
+        print(f"sandbx-pool journal timeline: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
     except OSError as exc:
         where = exc.filename or args.output or args.png
         print(f"sandbx-pool journal timeline: {where}: {exc.strerror or exc}", file=sys.stderr)

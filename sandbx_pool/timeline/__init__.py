@@ -10,7 +10,9 @@ of ``sandbx-pool journal``, and never changes one.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 
 from sandbx_pool.journal.reader import JournalScan
 from sandbx_pool.timeline.browser import ChromiumFailed, ChromiumMissing, screenshot
@@ -27,7 +29,15 @@ def write_timeline(
 
     The page is written whole to a temp file beside ``html_path``, then renamed: a reader never
     opens half a page. A PNG without a page renders from a temp page removed after.
-    ChromiumMissing / ChromiumFailed (the PNG only; the page is written first)."""
+    ChromiumMissing / ChromiumFailed (the PNG only; the page is written first); ValueError
+    naming an output that is the journal itself, or both outputs one file (a typo that would
+    replace the journal with a page, or the page with a picture)."""
+    outputs = [os.fspath(p) for p in (html_path, png_path) if p is not None]
+    for output in outputs:
+        if same_file(output, scan.path):
+            raise ValueError(f"{output} is the journal itself: name another file to write")
+    if len(outputs) == 2 and same_file(*outputs):
+        raise ValueError(f"{outputs[0]}: the page and the PNG must be two files")
     timeline = build_timeline(scan)
     text = render_page(timeline)
     if html_path is not None:
@@ -45,16 +55,42 @@ def write_timeline(
     return timeline
 
 
-def _write_whole(path: str, text: str) -> None:
-    temp = f"{path}.tmp-{os.getpid()}"
+def same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: one path, or links to one inode."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
     try:
-        with open(temp, "w", encoding="utf-8") as f:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False  # one of them does not exist yet: not the same file
+
+
+def _write_whole(path: str, text: str) -> None:
+    # A name of its own, made exclusively: a predictable one in a shared directory (/tmp)
+    # could be a link someone else left, and the page would be written through it.
+    fd, temp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=_folder(path))
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # the page's mode as open() would have made it
+        with open(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(temp, path)
     except BaseException:
-        if os.path.exists(temp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
+
+
+def _umask() -> int:
+    """This process's umask, read rather than set and reset (another thread may be creating)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
+
+
+def _folder(path: str) -> str:
+    return os.path.dirname(os.path.abspath(path))
 
 
 __all__ = [
@@ -63,5 +99,6 @@ __all__ = [
     "ChromiumMissing",
     "Timeline",
     "build_timeline",
+    "same_file",
     "write_timeline",
 ]
