@@ -88,7 +88,8 @@ def enter(proxy_socket: str | None, allow: tuple[str, ...], call_id: str) -> Lin
         raise NetworkUnavailable(
             "network = [allow-list] needs a network namespace of the call's own, and unshare"
             f" refused it ({os.strerror(error)}): it takes root with CAP_SYS_ADMIN (not a"
-            " container's root), or a pool whose workers get user namespaces"
+            " container's root), or a pool whose workers get user namespaces; here, network ="
+            " true or false runs (sandbx-pool doctor says which this machine enforces)"
         )
     control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
