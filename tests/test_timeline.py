@@ -535,7 +535,8 @@ def test_a_run_stopped_by_a_signal_still_writes_its_timeline(
     calls = tmp_path / "calls.jsonl"
     calls.write_text(
         '{"tool": "bash", "args": {"command": "true"}, "id": "quick"}\n'
-        '{"tool": "bash", "args": {"command": "sleep 60"}, "id": "long"}\n'
+        # After the quick one: the stop must find it ended (ok), the long one in flight.
+        '{"tool": "bash", "args": {"command": "sleep 60"}, "id": "long", "after": ["quick"]}\n'
     )
     journal, page = tmp_path / "j.jsonl", tmp_path / "stopped.html"
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
