@@ -359,8 +359,10 @@ def _kill_once_journaled(workspace: Path, journal: Path, wanted: set[str]) -> No
                 else set()
             )
             # and the direct call's line is in the counter: "started" is journaled just after
-            # its Call is sent, maybe before its command ran
-            if wanted <= seen and (workspace / "counter").exists():
+            # its Call is sent, maybe before its command ran (and `>>` makes the file before
+            # it writes the line)
+            counter = workspace / "counter"
+            if wanted <= seen and counter.exists() and counter.read_bytes().endswith(b"\n"):
                 break
             time.sleep(0.005)  # polling a file another process writes
     finally:
