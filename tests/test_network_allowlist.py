@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from conftest import marked_config
+from test_cli import cli
 
 from sandbx_pool import ConfigError, Pool
 from sandbx_pool import proxy as proxy_module
@@ -638,8 +639,8 @@ async def test_the_journal_keeps_the_calls_network_and_what_was_refused(
 
 @needs_allow_list
 def test_a_batch_lines_network_is_the_calls(tmp_path: Path, server: Server) -> None:
-    from sandbx_pool.cli.main import main as cli_main
-
+    # The command in a process of its own, as users run it: in this one, asyncio.run may be
+    # what an earlier test's import (Inspect's nest_asyncio) made of it, and leak its loop.
     workspace = tmp_path / "ws"
     workspace.mkdir()
     config = tmp_path / "config.toml"
@@ -660,7 +661,8 @@ def test_a_batch_lines_network_is_the_calls(tmp_path: Path, server: Server) -> N
     calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
     journal = tmp_path / "journal.jsonl"
     args = ["-q", "run", str(calls), "--workspace", str(workspace), "--config", str(config)]
-    cli_main([*args, "--journal", str(journal)])
+    ran = cli(*args, "--journal", str(journal), cwd=tmp_path)
+    assert ran.returncode in (0, 1), ran.stderr
     outcomes = {
         r["call_id"]: r
         for r in map(json.loads, journal.read_text().splitlines())
@@ -670,7 +672,9 @@ def test_a_batch_lines_network_is_the_calls(tmp_path: Path, server: Server) -> N
     assert outcomes["offline"]["status"] == "ok"  # bash ran; curl failed, offline
     assert server.seen == [("/batch", f"index.test:{server.port}")]
     # With --ray a line's network is refused, never ignored: the nodes' pools take the config's.
-    assert cli_main([*args, "--ray", "auto"]) == 2
+    refused = cli(*args, "--ray", "auto", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    assert "network" in refused.stderr
 
 
 def test_inspects_config_carries_the_samples_network() -> None:
