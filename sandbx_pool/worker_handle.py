@@ -89,11 +89,13 @@ class Worker:
 
     def stop_watching(self) -> None:
         """Release the pidfd (the pool is closing; a stuck worker may outlive it)."""
-        if self._pidfd is not None:
+        # Taken before it is closed: a pool's finalizer (release_pidfd) may run on another
+        # thread meanwhile (an environment's loop thread at exit), and must not close it twice.
+        fd, self._pidfd = self._pidfd, None
+        if fd is not None:
             if self._pidfd_watched:
-                self._loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+                self._loop.remove_reader(fd)
+            os.close(fd)
 
     def release_pidfd(self) -> None:
         """Close the pidfd without the event loop: for a pool's finalizer, when the loop may be
