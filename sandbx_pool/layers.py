@@ -36,16 +36,27 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sandbx_pool import layer_store
+from sandbx_pool import image_layer, layer_store
 from sandbx_pool.call_state import CallState
 from sandbx_pool.config import ChangeMode, change_mode
 from sandbx_pool.errors import LayerUnavailable
+from sandbx_pool.images.image import Image
 from sandbx_pool.outcome import Outcome
 
 #: Runs one of the coordinator's own actions on a worker: (call id, action, args, workspace,
-#: the layer to mount as (its directory, its base) or None, extra read-only paths).
+#: the layer to mount as (its directory, its base: None over an image) or None, extra
+#: read-only paths, the image's layer directories for a layer over an image, else None).
 RunLayerAction = Callable[
-    [str, str, dict[str, Any], str, tuple[str, str] | None, tuple[str, ...]], Awaitable[Outcome]
+    [
+        str,
+        str,
+        dict[str, Any],
+        str,
+        tuple[str, str | None] | None,
+        tuple[str, ...],
+        tuple[str, ...] | None,
+    ],
+    Awaitable[Outcome],
 ]
 
 #: ``error_code`` of a call refused because its layer could not be mounted, or its base is not
@@ -62,11 +73,16 @@ class Layer:
     """A copy-on-write workspace over ``base`` (see the module's docstring). Pass it, or its
     ``path``, as a call's ``workspace``. Its methods are coroutines."""
 
-    def __init__(self, layers: Layers, name: str, base: str, lock_fd: int) -> None:
+    def __init__(
+        self, layers: Layers, name: str, base: str | None, lock_fd: int, image: Image | None = None
+    ) -> None:
         self._layers = layers
         self.name = name
-        #: The base's real path, as recorded when the layer was made.
+        #: The base's real path, as recorded when the layer was made; None over an image.
         self.base = base
+        #: The image the layer lies over (sandbx_pool.image_layer), as recorded; None over a
+        #: base directory.
+        self.image = image
         self.directory = os.path.join(layers.store, name)
         #: The layer's mount point: the workspace its calls name (empty outside a call).
         self.path = os.path.join(self.directory, "root")
@@ -78,7 +94,8 @@ class Layer:
 
     def __repr__(self) -> str:
         state = "removed" if self._lock_fd is None else ("busy" if self._turn.locked() else "idle")
-        return f"<Layer {self.name!r} over {self.base} [{state} | {self.waiting} waiting]>"
+        over = self.base if self.image is None else f"image {self.image.ref or self.image.digest}"
+        return f"<Layer {self.name!r} over {over} [{state} | {self.waiting} waiting]>"
 
     def __fspath__(self) -> str:
         return self.path
@@ -143,13 +160,16 @@ class Layer:
             self._ids += 1
             opened = await asyncio.to_thread(layer_store.open_up, upper)
             try:
+                # Over an image, the worker mounts the image alone, read-only, on the layer's
+                # root: what the upper directory is compared with.
                 outcome = await self._layers.run(
                     f"layer-{self.name}-diff-{self._ids}",
                     "_layer_diff",
                     {"upper": upper},
-                    self.base,
-                    None,
+                    self.base if self.base is not None else self.path,
+                    None if self.image is None else (self.directory, None),
                     (upper,),
+                    None if self.image is None else self.image.layer_dirs,
                 )
             finally:
                 await asyncio.to_thread(layer_store.close_down, opened)
@@ -175,7 +195,7 @@ class Layer:
                 )
             except FileExistsError:
                 raise ValueError(f"cannot fork onto layer {name!r}: it exists already") from None
-        return await self._layers.open(name, self.base)
+        return await self._layers.open(name, self.base, self.image)
 
     async def remove(self) -> None:
         """Delete the layer and what it holds; the base is untouched."""
@@ -244,13 +264,19 @@ class Layers:
             return parts[0]
         raise ValueError(f"{path} is in the layer store: only a layer's root is a workspace")
 
-    async def open(self, name: str, base: str | None) -> Layer:
+    async def open(self, name: str, base: str | None, image: object = None) -> Layer:
         why = self.unavailable()
         if why is not None:
             raise LayerUnavailable(why)
         layer_store.check_name(name)
+        if image is not None:
+            if base is not None:
+                raise ValueError("a layer lies over a base directory or an image, not both")
+            image = image_layer.check(image, self.store)
         lock = self._opening.setdefault(name, asyncio.Lock())
         async with lock:
+            if isinstance(image, Image):
+                return await self._open_over_image(name, image)
             return await self._open(name, base)
 
     async def _open(self, name: str, base: str | None) -> Layer:
@@ -259,15 +285,18 @@ class Layers:
         if wanted is not None:
             self._check_base(wanted)
         layer = self.layers.get(name)
-        meta = (
-            {"base": layer.base}
-            if layer is not None
-            else await asyncio.to_thread(layer_store.read_meta, self.store, name)
-        )
+        meta = await self._meta(name, layer)
         if meta is None:
             if wanted is None:
-                raise ValueError(f"no layer {name!r} in {self.store}: give its base to make it")
+                raise ValueError(
+                    f"no layer {name!r} in {self.store}: give its base (or image) to make it"
+                )
             return await self._make(name, wanted)
+        if meta.get("base") is None:  # over an image: opened as it was recorded
+            if wanted is not None:
+                raise ValueError(f"layer {name!r} lies over an image, not over {wanted}")
+            recorded_image = image_layer.from_record(name, meta.get("image"))
+            return layer if layer is not None else self._hold(name, None, recorded_image)
         recorded = str(meta["base"])
         if wanted is not None and wanted != recorded:
             raise ValueError(
@@ -277,12 +306,34 @@ class Layers:
             return layer
         return self._hold(name, recorded)
 
-    def _hold(self, name: str, base: str) -> Layer:
+    async def _meta(self, name: str, layer: Layer | None) -> dict[str, object] | None:
+        if layer is None:
+            return await asyncio.to_thread(layer_store.read_meta, self.store, name)
+        if layer.image is not None:
+            return {"base": None, "image": image_layer.record(layer.image)}
+        return {"base": layer.base}
+
+    async def _open_over_image(self, name: str, image: Image) -> Layer:
+        layer = self.layers.get(name)
+        meta = await self._meta(name, layer)
+        if meta is None:
+            return await self._make_over_image(name, image)
+        if meta.get("base") is not None:
+            raise ValueError(f"layer {name!r} lies over {meta['base']}, not over an image")
+        recorded = image_layer.from_record(name, meta.get("image"))
+        if not image_layer.same_image(recorded, image):
+            raise ValueError(
+                f"layer {name!r} lies over image {recorded.ref or '?'} ({recorded.digest}), not"
+                f" {image.ref or '?'} ({image.digest}): a layer's image never changes"
+            )
+        return layer if layer is not None else self._hold(name, None, recorded)
+
+    def _hold(self, name: str, base: str | None, image: Image | None = None) -> Layer:
         try:
             fd = layer_store.lock(self.store, name)
         except BlockingIOError:
             raise ValueError(f"layer {name!r} is open in another pool") from None
-        layer = Layer(self, name, base, fd)
+        layer = Layer(self, name, base, fd, image)
         self.layers[name] = layer
         return layer
 
@@ -297,6 +348,7 @@ class Layers:
                 os.path.join(temp, "root"),
                 (temp, base),
                 (),
+                None,
             )
             if outcome.value is None:
                 if outcome.error_code == LAYER_BASE:
@@ -312,6 +364,34 @@ class Layers:
             await asyncio.to_thread(layer_store.remove_tree, temp)
             raise
         return self._hold(name, real)
+
+    async def _make_over_image(self, name: str, image: Image) -> Layer:
+        """As ``_make``: a probe worker mounts the image's layers in the new layer (each
+        directory must be there and mount), then one rename puts it in place."""
+        temp = await asyncio.to_thread(
+            layer_store.begin, self.store, name, mode=self.mode, image=True
+        )
+        try:
+            outcome = await self.run(
+                f"layer-{name}-open",
+                "_layer_open",
+                {},
+                os.path.join(temp, "root"),
+                (temp, None),
+                (),
+                image.layer_dirs,
+            )
+            if outcome.value is None:
+                raise LayerUnavailable(f"cannot make layer {name!r}: {outcome.error}")
+            recorded = image_layer.record(image)
+            try:
+                await asyncio.to_thread(layer_store.commit, self.store, temp, name, None, recorded)
+            except FileExistsError:
+                raise ValueError(f"layer {name!r} was made meanwhile by another pool") from None
+        except BaseException:
+            await asyncio.to_thread(layer_store.remove_tree, temp)
+            raise
+        return self._hold(name, None, image)
 
     async def named_by(self, workspace: object, configured: str) -> Layer:
         """The layer a call's ``workspace`` names: a Layer of ours, or a layer's root path
