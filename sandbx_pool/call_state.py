@@ -62,6 +62,9 @@ class CallState(CallLife):
         #: (its Env and WorkingDir: sandbx_pool.image_layer).
         self.layer_image: tuple[str, ...] | None = None
         self.image: Image | None = None
+        #: Where the call starts when it names no cwd, relative paths in a view being the
+        #: view's: an image's WorkingDir (sandbx_pool.image_layer.start_dir). None: the root.
+        self.start_dir: str | None = None
         #: A session's bash call: the session's exports (sandbx_pool.sessions).
         self.session_env: dict[str, str] | None = None
 

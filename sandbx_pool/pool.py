@@ -448,6 +448,7 @@ class Pool:
         mode = change_mode(changes) if changes is not None else self.changes
         layer = await self._layer_of(workspace, changes)
         image = layer.image if layer is not None else None
+        layer_mount: str | None
         if layer is not None and image is not None:
             # Over an image: the layer's root is the call's `/` (image_layer.py).
             if view is not None or layer_at is not None:
@@ -456,7 +457,6 @@ class Pool:
                     " no view or layer_at"
                 )
             view = workspace = layer_mount = layer.path
-            cwd = cwd if cwd is not None else image_layer.start_dir(image)
             mode = ChangeMode.DIRECT
         elif layer is not None:
             layer_mount = mount_point(layer, view, layer_at)
@@ -488,6 +488,7 @@ class Pool:
             call.layer_dir, call.layer_base = layer.directory, layer.base
             call.layer_mount = layer_mount
             call.image = image
+            call.start_dir = image_layer.start_dir(image) if image is not None else None
             call.layer_image = image.layer_dirs if image is not None else None
         call.network = own_network
         run: Callable[[], Awaitable[Outcome]] = partial(self._run, call)

@@ -85,7 +85,8 @@ def prepare(call: CallState, pool: PoolSide) -> bytes | Outcome:
         # of a workspace (image_layer.py).
         if call.view is not None and call.image is None:
             lexical_paths.check_view(base, call.view)
-        call_cwd = lexical_paths.resolve_cwd(workspace, call.cwd)
+        cwd = call.cwd if call.cwd is not None else call.start_dir
+        call_cwd = lexical_paths.resolve_cwd(workspace, cwd)
     except ValueError as exc:
         return call.outcome(Status.DENIED, error=str(exc))
     denial = lexical_paths.denial(workspace, call_cwd, args) or pool.gate.denial(

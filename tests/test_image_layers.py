@@ -11,9 +11,11 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from conftest import marked_config
 from helpers import journal_records
@@ -133,7 +135,8 @@ async def test_calls_see_the_image_as_root_and_the_layer_keeps_the_writes(tmp_pa
     before = _tree(tmp_path / "image")
     async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:
         ws = await pool.layer("img", image=image)
-        assert ws.image == image and ws.base is None
+        assert ws.image == image
+        assert ws.base is None
         # The merged tree: layer 3 over 2 over 1, the whiteout and the opaque directory hold.
         seen = await _bash(
             pool,
@@ -155,7 +158,8 @@ async def test_calls_see_the_image_as_root_and_the_layer_keeps_the_writes(tmp_pa
         ], seen
         # File tools take image paths: absolute, or relative to the image's WorkingDir.
         read = await pool.call("read", {"path": "main.txt"}, workspace=ws)
-        assert read.value is not None and read.value["content"] == "v3\n"
+        assert read.value is not None
+        assert read.value["content"] == "v3\n"
         wrote = await pool.call(
             "write", {"path": "/usr/local/bin/tool", "content": "#!/bin/sh\necho tool\n"},
             workspace=ws,
@@ -192,3 +196,201 @@ async def test_calls_see_the_image_as_root_and_the_layer_keeps_the_writes(tmp_pa
         back = await _bash(pool, ws, "cat /etc/os-release; test -e /new || echo no-new")
         assert back["stdout"] == "ID=sandbx-test\nno-new\n"
     assert _tree(tmp_path / "image") == before
+
+
+async def test_nothing_of_the_host_is_in_reach(tmp_path: Path) -> None:
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("host only\n")
+    image = make_image(tmp_path / "image")
+    async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:
+        ws = await pool.layer("img", image=image)
+        probe = await _bash(
+            pool,
+            ws,
+            f"ls /work /root/.ssh /home /usr/bin/python3 {secret} {tmp_path} 2>/dev/null;"
+            " echo rc=$?; cat /etc/shadow 2>&1; ls /; ls /proc | grep -c '^[0-9]';"
+            " echo x > /sys/kernel/test 2>&1 || echo sys-ro; hostname; cat /etc/hostname;"
+            " grep -c image-own-hosts /etc/hosts; echo ok > /dev/null && echo dev-ok",
+        )
+        lines = probe["stdout"].splitlines()
+        assert lines[0] == "rc=1", probe  # none of them is there (busybox ls: 1)
+        assert "No such file" in lines[1]  # the image has no /etc/shadow: not the host's
+        listing = lines[2:]
+        top = listing[: listing.index("tmp") + 1]
+        assert top == ["bin", "dev", "etc", "gone.txt", "old", "proc", "root", "srv", "sys", "tmp"][
+            : len(top)
+        ] or set(top) <= {"bin", "dev", "etc", "old", "proc", "root", "srv", "sys", "tmp"}, top
+        rest = listing[len(top) :]
+        # The call's own processes only: its shell, ls and grep, under the worker.
+        assert 1 <= int(rest[0]) <= 6, probe
+        assert rest[1:] == ["sys-ro", "img", "img", "0", "dev-ok"], probe
+        for path in (str(secret), "/proc/1/root/etc/shadow", f"/proc/1/root{secret}"):
+            read = await pool.call("read", {"path": path}, workspace=ws)
+            assert read.status is not Status.OK, (path, read.value)
+        # The image's own /etc/passwd is what a read of /etc/passwd finds, however reached.
+        own = await pool.call("read", {"path": "../../../../etc/passwd"}, workspace=ws)
+        assert own.value is not None
+        assert own.value["content"] == "root:x:0:0:root:/root:/bin/sh\n"
+
+
+async def test_env_cwd_and_network_as_a_container_gives_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LANG", "host-lang-must-not-leak")
+    host_resolv = Path("/etc/resolv.conf").read_text()  # noqa: ASYNC240 (the test's own)
+    image = make_image(tmp_path / "image", env=("IMAGE_VAR=from-image", "SHARED=image"))
+    config = _config(tmp_path, env={"set": {"SHARED": "pool", "POOL_VAR": "pool"}})
+    async with Pool(tmp_path / "ws", config=config) as pool:
+        ws = await pool.layer("img", image=image)
+        value = await _bash(pool, ws, "env | sort", env={"CALL_VAR": "call", "POOL_VAR": "c"})
+        env = dict(line.split("=", 1) for line in value["stdout"].splitlines() if "=" in line)
+        assert env["IMAGE_VAR"] == "from-image"
+        assert env["SHARED"] == "pool"  # [env] set over the image's
+        assert env["POOL_VAR"] == "c"  # the call's over [env] set
+        assert env["PATH"] == "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        assert env["HOME"] == "/root"
+        assert "LANG" not in env, env
+        assert env["PWD"] == "/srv/app"
+        # cwd: the call's own, relative paths from it.
+        there = await pool.call("bash", {"command": "pwd; cat a"}, workspace=ws, cwd="/old")
+        assert there.value is not None
+        assert there.value["stdout"] == "/old\n", there
+        # Offline: no network namespace but loopback, and an empty resolv.conf; online: the
+        # host's resolv.conf.
+        offline = await _bash(pool, ws, "cat /etc/resolv.conf | wc -c", network=False)
+        assert offline["stdout"].strip() == "0"
+        online = await _bash(pool, ws, "cat /etc/resolv.conf", network=True)
+        assert online["stdout"] == host_resolv
+
+
+async def test_fork_persists_and_refuses_another_image(tmp_path: Path) -> None:
+    image = make_image(tmp_path / "image")
+    other = make_image(tmp_path / "other")
+    journal = tmp_path / "run.jsonl"
+    async with Pool(tmp_path / "ws", config=_config(tmp_path), journal=journal) as pool:
+        ws = await pool.layer("img", image=image)
+        await _bash(pool, ws, "echo mine > /srv/app/mine")
+        branches = [await ws.fork(f"branch-{i}") for i in range(3)]
+        for index, branch in enumerate(branches):
+            assert branch.image == image
+            await _bash(pool, branch, f"echo {index} > /srv/app/mine")
+        seen = [
+            (await _bash(pool, layer, "cat /srv/app/mine"))["stdout"] for layer in (ws, *branches)
+        ]
+        assert seen == ["mine\n", "0\n", "1\n", "2\n"]
+        with pytest.raises(ValueError, match="image never changes"):
+            await pool.layer("img", image=other)
+        with pytest.raises(ValueError, match="not both"):
+            await pool.layer("new", base=tmp_path, image=image)
+        with pytest.raises(TypeError, match="must be an Image"):
+            await pool.layer("new", image="busybox:latest")  # type: ignore[arg-type]
+        await branches[2].remove()
+    # Another pool opens the layer from its record alone: the image is found there.
+    async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:
+        again = await pool.layer("img")
+        assert again.image == image
+        assert (await _bash(pool, again, "cat /srv/app/mine"))["stdout"] == "mine\n"
+        with pytest.raises(ValueError, match="lies over an image"):
+            await pool.layer("branch-0", base=tmp_path / "image")
+        with pytest.raises(ValueError, match="no layer 'branch-2'"):
+            await pool.layer("branch-2")
+    records = [r for r in journal_records(str(journal)) if r["kind"] == "intent"]
+    assert any(r["tool"] == "bash" for r in records)
+
+
+async def test_a_missing_image_layer_is_refused_and_nothing_is_made(tmp_path: Path) -> None:
+    image = make_image(tmp_path / "image")
+    broken = Image(
+        ref=image.ref,
+        digest=image.digest,
+        layers=(*image.layers, "sha256:" + "0" * 64),
+        layer_dirs=(*image.layer_dirs, str(tmp_path / "evicted")),
+    )
+    async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:
+        with pytest.raises(LayerUnavailable, match="evicted"):
+            await pool.layer("img", image=broken)
+        assert sorted(os.listdir(tmp_path / "layers")) == []
+        ws = await pool.layer("img", image=image)
+        assert ws.open
+
+
+async def test_a_40_layer_image(tmp_path: Path) -> None:
+    image = make_image(tmp_path / "image", extra_layers=37)
+    assert len(image.layer_dirs) == 40
+    async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:
+        ws = await pool.layer("img", image=image)
+        value = await _bash(pool, ws, "ls /stack | wc -l; cat /stack/top /srv/app/main.txt")
+        assert value["stdout"] == "38\n36\nv3\n"
+
+
+async def test_cancel_timeout_and_output_limit_hold(tmp_path: Path) -> None:
+    image = make_image(tmp_path / "image")
+    config = _config(tmp_path, calls={"max_output_bytes": 100_000})
+    async with Pool(tmp_path / "ws", config=config) as pool:
+        ws = await pool.layer("img", image=image)
+        slow = await pool.call("bash", {"command": "sleep 30"}, workspace=ws, timeout=0.5)
+        assert slow.status is Status.TIMEOUT
+        token = CancelToken()
+        task = pool.call("bash", {"command": "echo started; sleep 30"}, workspace=ws, cancel=token)
+        import asyncio
+
+        running = asyncio.ensure_future(task)
+        from helpers import wait_until
+
+        await wait_until(lambda: bool(pool.running()), what="the call to start")
+        token.cancel("stop")
+        cancelled = await running
+        assert cancelled.status is Status.CANCELLED
+        assert cancelled.reason == "stop"
+        flood = await pool.call("bash", {"command": "yes"}, workspace=ws, timeout=30)
+        assert flood.status is Status.OUTPUT_LIMIT
+        # The layer is usable after each kill.
+        assert (await _bash(pool, ws, "echo fine"))["stdout"] == "fine\n"
+
+
+def _bash_layer(root: Path) -> Path:
+    """A layer holding the host's bash and the libraries it links (an image with a bash)."""
+    layer = root / "bash-layer"
+    (layer / "bin").mkdir(parents=True)
+    shutil.copy2(os.path.realpath("/bin/bash"), layer / "bin" / "bash")
+    listed = subprocess.run(["ldd", "/bin/bash"], capture_output=True, text=True, check=True)
+    for line in listed.stdout.splitlines():
+        path = line.split("=>")[-1].split("(")[0].strip()
+        if path.startswith("/"):
+            target = layer / path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.realpath(path), target)
+    return layer
+
+
+async def test_bash_is_the_images_own_and_a_session_keeps_its_state(tmp_path: Path) -> None:
+    plain = make_image(tmp_path / "image")
+    layer = _bash_layer(tmp_path)
+    image = msgspec.structs.replace(
+        plain,
+        digest="sha256:" + "b" * 64,
+        layers=(*plain.layers, _diff_id(layer)),
+        layer_dirs=(*plain.layer_dirs, str(layer)),
+    )
+    async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:
+        sh_only = await pool.layer("sh", image=plain)
+        shell = await _bash(pool, sh_only, "readlink /proc/$$/exe")
+        assert shell["stdout"] == "/bin/busybox\n"  # no bash in that image: its /bin/sh
+        ws = await pool.layer("img", image=image)
+        assert (await _bash(pool, ws, "echo $BASH"))["stdout"] == "/bin/bash\n"
+        first = await pool.call(
+            "bash", {"command": "cd /old && export KEPT=1"}, workspace=ws, session="s"
+        )
+        assert first.status is Status.OK, first
+        second = await pool.call("read", {"path": "c"}, workspace=ws, session="s")
+        assert second.value is not None
+        assert second.value["content"] == "c\n", second
+        third = await _bash(pool, ws, "pwd; echo $KEPT", session="s")
+        assert third["stdout"] == "/old\n1\n"
+
+
+def test_the_image_record_is_json(tmp_path: Path) -> None:
+    image = make_image(tmp_path / "image")
+    from sandbx_pool import image_layer
+
+    assert image_layer.from_record("x", json.loads(json.dumps(image_layer.record(image)))) == image
