@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -323,6 +324,17 @@ async def test_a_40_layer_image(tmp_path: Path) -> None:
         assert value["stdout"] == "38\n36\nv3\n"
 
 
+async def test_an_image_past_a_page_of_mount_options(tmp_path: Path) -> None:
+    """300 layers: their descriptors' names fill more than the page mount(2) copies, so the
+    overlay is made through fsconfig, one lower at a time (Linux 6.8)."""
+    image = make_image(tmp_path / "image", extra_layers=297)
+    async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:
+        ws = await pool.layer("img", image=image)
+        value = await _bash(pool, ws, "ls /stack | wc -l; cat /stack/top; echo x > /stack/new")
+        assert value["stdout"] == "298\n296\n"
+        assert [c["path"] for c in await ws.diff()] == ["stack/new"]
+
+
 async def test_cancel_timeout_and_output_limit_hold(tmp_path: Path) -> None:
     image = make_image(tmp_path / "image")
     config = _config(tmp_path, calls={"max_output_bytes": 100_000})
@@ -394,3 +406,55 @@ def test_the_image_record_is_json(tmp_path: Path) -> None:
     from sandbx_pool import image_layer
 
     assert image_layer.from_record("x", json.loads(json.dumps(image_layer.record(image)))) == image
+
+
+_CONTAINER_ROOT = [
+    "setpriv",
+    "--bounding-set=-all,+chown,+dac_override,+fowner,+fsetid,+kill,+setgid,+setuid,+setpcap,"
+    "+net_bind_service,+net_raw,+sys_chroot,+mknod,+audit_write,+setfcap",
+    "--inh-caps=-all",
+]
+
+_WITHOUT_OVERLAY = r"""
+import asyncio, json, os, sys
+from sandbx_pool import LayerUnavailable, Pool
+from sandbx_pool.config import load_config
+from sandbx_pool.images import Image
+
+async def main(workspace, store, layer):
+    config = load_config(None).override(workspace={"layers": store})
+    image = Image(ref="t", digest="sha256:" + "1" * 64, layers=("sha256:" + "2" * 64,),
+                  layer_dirs=(layer,))
+    async with Pool(workspace, config=config) as pool:
+        try:
+            await pool.layer("x", image=image)
+        except LayerUnavailable as exc:
+            made = os.listdir(store) if os.path.isdir(store) else []
+            print(json.dumps({"error": str(exc), "made": made}))
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def test_without_overlays_an_image_layer_is_refused_naming_why(tmp_path: Path) -> None:
+    """A container's root (no CAP_SYS_ADMIN) whose workers get no user namespace."""
+    if os.geteuid() != 0:
+        pytest.skip("plays a container's root: needs root")
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux)")
+    image = make_image(tmp_path / "image")
+    (tmp_path / "ws").mkdir()
+    args = [str(tmp_path / "ws"), str(tmp_path / "s"), image.layer_dirs[0]]
+    done = subprocess.run(
+        [*_CONTAINER_ROOT, sys.executable, "-c", _WITHOUT_OVERLAY, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert "mount namespace" in out["error"]
+    assert "doctor" in out["error"]
+    assert out["made"] == []
