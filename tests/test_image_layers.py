@@ -234,6 +234,31 @@ async def test_nothing_of_the_host_is_in_reach(tmp_path: Path) -> None:
         assert own.value["content"] == "root:x:0:0:root:/root:/bin/sh\n"
 
 
+async def test_an_images_device_nodes_open_nothing_and_mount_points_stay_put(
+    tmp_path: Path,
+) -> None:
+    image = make_image(tmp_path / "image")
+    if os.geteuid() == 0:  # only root makes a device node: an image's tar may hold any
+        os.mknod(Path(image.layer_dirs[2]) / "zero", stat.S_IFCHR | 0o666, os.makedev(1, 5))
+    async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:
+        ws = await pool.layer("img", image=image)
+        if os.geteuid() == 0:
+            node = await _bash(pool, ws, "head -c 1 /zero > /dev/null 2>&1; echo $?")
+            assert node["stdout"] == "1\n"  # nodev: the node opens nothing
+        # A call cannot swap a mount point (each is in use: busy, or a lower directory that
+        # overlayfs will not rename); were the layer's upper directory to hold one as a
+        # symlink to the host's tree all the same, the next call is refused, never mounted
+        # through it, until the layer is reset.
+        swap = await _bash(pool, ws, "rm -f /etc/hosts; mv /proc /p; ls -ld /etc/hosts /proc")
+        assert swap["stdout"].count("\n") == 2 and "->" not in swap["stdout"], swap
+        os.symlink("/root", Path(ws.directory) / "upper" / "proc")
+        refused = await pool.call("bash", {"command": "true"}, workspace=ws)
+        assert refused.status is Status.ERROR
+        assert refused.error is not None and "/etc" in refused.error, refused
+        await ws.reset()
+        assert (await _bash(pool, ws, "cat /etc/hostname"))["stdout"] == "img\n"
+
+
 async def test_env_cwd_and_network_as_a_container_gives_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -45,6 +45,7 @@ import ctypes
 import errno
 import os
 import re
+import stat
 
 from sandbx_pool.workers import _libc, view
 from sandbx_pool.workers.errors import ToolError
@@ -57,6 +58,18 @@ _SYS_MOVE_MOUNT, _SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT = 429, 430, 431, 432
 _FSOPEN_CLOEXEC = _FSMOUNT_CLOEXEC = 1
 _FSCONFIG_SET_FLAG, _FSCONFIG_SET_STRING, _FSCONFIG_CMD_CREATE = 0, 1, 6
 _MOVE_MOUNT_F_EMPTY_PATH = 4
+_MOUNT_ATTR_RDONLY, _MOUNT_ATTR_NOSUID, _MOUNT_ATTR_NODEV = 1, 2, 4
+#: What the call's mounts go on, and what each must be in the merged tree (the skeleton's,
+#: unless an earlier call in the layer replaced it).
+MOUNT_POINTS = {
+    "proc": stat.S_IFDIR,
+    "sys": stat.S_IFDIR,
+    "dev": stat.S_IFDIR,
+    "etc": stat.S_IFDIR,
+    "etc/hosts": stat.S_IFREG,
+    "etc/hostname": stat.S_IFREG,
+    "etc/resolv.conf": stat.S_IFREG,
+}
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 #: The root's name in the call's UTS namespace and /etc/hosts: the layer's name, as a host
@@ -90,7 +103,10 @@ def mount(layer_dir: str, lowers: tuple[str, ...], root: str, options: str, *, u
             upper_dir = os.path.join(layer_dir, "upper")
             work_dir = os.path.join(layer_dir, "work")
             rest = f"upperdir={upper_dir},workdir={work_dir},{options}"
-        flags = 0 if upper else _libc.MS_RDONLY
+        # nodev: an image is anyone's tarball, and a device node in it (a disk, /dev/mem)
+        # would open as its mode says, capability or not. nosuid: no_new_privs holds for
+        # the call's programs already; this holds for anything else that could exec them.
+        flags = _libc.MS_NOSUID | _libc.MS_NODEV | (0 if upper else _libc.MS_RDONLY)
         data = f"lowerdir={':'.join(named)},{rest}"
         try:
             if len(data.encode()) < _OPTIONS_PAGE:
@@ -120,7 +136,10 @@ def _mount_many(lowers: list[str], rest: str, root: str, *, read_only: bool) -> 
         if read_only:
             _fsconfig(fs, "ro", None)
         _libc.syscall("fsconfig create", _SYS_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
-        mnt = _libc.syscall("fsmount", _SYS_FSMOUNT, fs, _FSMOUNT_CLOEXEC, 0)
+        attributes = (
+            _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | (_MOUNT_ATTR_RDONLY if read_only else 0)
+        )
+        mnt = _libc.syscall("fsmount", _SYS_FSMOUNT, fs, _FSMOUNT_CLOEXEC, attributes)
     finally:
         os.close(fs)
     try:
@@ -153,6 +172,7 @@ def hostname_of(layer_dir: str) -> str:
 def enter(root: str, layer_dir: str, *, network: bool) -> None:
     """Make the mounted image ``root`` this process's ``/`` (see above). Irreversible; only
     in the call's own mount namespace (whose mounts do not propagate to the host's)."""
+    _check_mount_points(root)
     hostname = hostname_of(layer_dir)
     files = _write_files(os.path.join(layer_dir, "run"), hostname, network=network)
     # MS_REC keeps what workers.sandbox mounted beneath them: the kernel files read-only.
@@ -168,6 +188,24 @@ def enter(root: str, layer_dir: str, *, network: bool) -> None:
     _libc.pivot_root(".", ".")  # the old root is now stacked on the new one...
     _libc.umount(".", _libc.MNT_DETACH)  # ...and gone from the namespace
     os.chdir("/")
+
+
+def _check_mount_points(root: str) -> None:
+    """Each mount point is what it must be, and no symlink: mount(2) follows one, and an
+    earlier call in the layer could have left ``/proc`` pointing at a directory of the host.
+    (Nothing changes the layer meanwhile: its calls run one at a time, and this one has not
+    started anything yet.)"""
+    for name, kind in MOUNT_POINTS.items():
+        try:
+            st = os.lstat(os.path.join(root, name))
+        except FileNotFoundError:
+            st = None
+        if st is None or stat.S_IFMT(st.st_mode) != kind:
+            what = "a directory" if kind == stat.S_IFDIR else "a regular file"
+            raise ImageMountError(
+                f"/{name} in this layer is not {what} (an earlier call removed or replaced it):"
+                " the call cannot be given its /proc, /sys, /dev and /etc files; reset the layer"
+            )
 
 
 def _write_files(run: str, hostname: str, *, network: bool) -> dict[str, str]:
@@ -218,6 +256,7 @@ def become_root() -> None:
 
 
 __all__ = [
+    "MOUNT_POINTS",
     "ImageMountError",
     "become_root",
     "enter",

@@ -503,6 +503,8 @@ def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | 
         else:
             view.enter(box.view)
             entered = os.stat("/")
+    except image_root.ImageMountError as exc:
+        raise SandboxError(str(exc)) from None
     except OSError as exc:
         raise SandboxError(f"cannot enter the view {box.view}: {exc}") from exc
     if anchor is not None and (entered.st_dev, entered.st_ino) != anchor:
