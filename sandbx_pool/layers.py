@@ -23,6 +23,10 @@ namespace. reset, fork, remove and diff take the same turn. A pool holds an floc
 layer it has open, so two pools never run calls in one layer either (the second gets a
 ValueError naming the layer).
 
+Over a container image (``pool.layer(name, image=img)``, sandbx_pool.image_layer) the lowers
+are the image's layers and the call enters the overlay as its ``/`` (workers.image_root); the
+record keeps the image, so the layer reopens without it. The rest is as above.
+
 A call in a layer is direct into the layer: the pool's ``changes`` mode does not apply (the
 layer is the change set: ``diff`` lists it, ``reset`` drops it), and asking a call for
 ``changes="tracked"`` or ``"transactional"`` in a layer is a ValueError.
@@ -317,7 +321,7 @@ class Layers:
         layer = self.layers.get(name)
         meta = await self._meta(name, layer)
         if meta is None:
-            return await self._make_over_image(name, image)
+            return await self._make(name, None, image)
         if meta.get("base") is not None:
             raise ValueError(f"layer {name!r} lies over {meta['base']}, not over an image")
         recorded = image_layer.from_record(name, meta.get("image"))
@@ -337,9 +341,13 @@ class Layers:
         self.layers[name] = layer
         return layer
 
-    async def _make(self, name: str, base: str) -> Layer:
-        """Probe, then make (see the module's docstring): nothing is left when it fails."""
-        temp = await asyncio.to_thread(layer_store.begin, self.store, name, mode=self.mode)
+    async def _make(self, name: str, base: str | None, image: Image | None = None) -> Layer:
+        """Probe, then make (see the module's docstring): nothing is left when it fails. Over
+        an image, the probe mounts the image's layers (each must be there, and mount)."""
+        over_image = image is not None
+        temp = await asyncio.to_thread(
+            layer_store.begin, self.store, name, mode=self.mode, image=over_image
+        )
         try:
             outcome = await self.run(
                 f"layer-{name}-open",
@@ -348,50 +356,24 @@ class Layers:
                 os.path.join(temp, "root"),
                 (temp, base),
                 (),
-                None,
+                image.layer_dirs if image is not None else None,
             )
             if outcome.value is None:
                 if outcome.error_code == LAYER_BASE:
                     raise ValueError(f"cannot make layer {name!r}: {outcome.error}")
                 raise LayerUnavailable(f"cannot make layer {name!r}: {outcome.error}")
-            real = str(outcome.value["base"])
-            self._check_base(real)
+            real = None if image is not None else str(outcome.value["base"])
+            if real is not None:
+                self._check_base(real)
+            recorded = image_layer.record(image) if image is not None else None
             try:
-                await asyncio.to_thread(layer_store.commit, self.store, temp, name, real)
+                await asyncio.to_thread(layer_store.commit, self.store, temp, name, real, recorded)
             except FileExistsError:
                 raise ValueError(f"layer {name!r} was made meanwhile by another pool") from None
         except BaseException:
             await asyncio.to_thread(layer_store.remove_tree, temp)
             raise
-        return self._hold(name, real)
-
-    async def _make_over_image(self, name: str, image: Image) -> Layer:
-        """As ``_make``: a probe worker mounts the image's layers in the new layer (each
-        directory must be there and mount), then one rename puts it in place."""
-        temp = await asyncio.to_thread(
-            layer_store.begin, self.store, name, mode=self.mode, image=True
-        )
-        try:
-            outcome = await self.run(
-                f"layer-{name}-open",
-                "_layer_open",
-                {},
-                os.path.join(temp, "root"),
-                (temp, None),
-                (),
-                image.layer_dirs,
-            )
-            if outcome.value is None:
-                raise LayerUnavailable(f"cannot make layer {name!r}: {outcome.error}")
-            recorded = image_layer.record(image)
-            try:
-                await asyncio.to_thread(layer_store.commit, self.store, temp, name, None, recorded)
-            except FileExistsError:
-                raise ValueError(f"layer {name!r} was made meanwhile by another pool") from None
-        except BaseException:
-            await asyncio.to_thread(layer_store.remove_tree, temp)
-            raise
-        return self._hold(name, None, image)
+        return self._hold(name, real, image)
 
     async def named_by(self, workspace: object, configured: str) -> Layer:
         """The layer a call's ``workspace`` names: a Layer of ours, or a layer's root path

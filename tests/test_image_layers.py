@@ -340,6 +340,12 @@ async def test_a_missing_image_layer_is_refused_and_nothing_is_made(tmp_path: Pa
         assert sorted(os.listdir(tmp_path / "layers")) == []
         ws = await pool.layer("img", image=image)
         assert ws.open
+        # A layer directory the store evicted since: the call says so, and runs nowhere else.
+        os.rename(image.layer_dirs[1], tmp_path / "moved")
+        gone = await pool.call("read", {"path": "/etc/passwd"}, workspace=ws)
+        assert gone.status is Status.ERROR
+        assert gone.error is not None
+        assert "gone from the image store" in gone.error, gone
 
 
 async def test_a_40_layer_image(tmp_path: Path) -> None:
