@@ -12,7 +12,8 @@ The images are made here, offline, as an image store unpacks them: a busybox-sta
   16, two at a time (the pool's workers), total;
 * the peers: ``podman run --rm IMG true`` and ``podman exec CTR true`` of the same tree
   (``podman import`` of the merged layers, offline); where podman cannot run a container
-  here, the row says why instead of a figure.
+  here, the row says why instead of a figure. And bubblewrap per command over the merged
+  tree, the floor of a namespace sandbox built per command.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class ImagesLayerResult:
     forks_16_called: Samples = field(default_factory=Samples)
     podman_run: Samples = field(default_factory=Samples)
     podman_exec: Samples = field(default_factory=Samples)
+    bwrap_true: Samples = field(default_factory=Samples)
     #: Why podman gave no figure here (None: it did).
     podman_unavailable: str | None = None
 
@@ -157,13 +159,14 @@ async def _run(ws: BenchWorkspace, samples: int) -> ImagesLayerResult:
 
 def _podman(image: Image, area: Path, samples: int, result: ImagesLayerResult) -> None:
     """``podman run --rm`` and ``podman exec`` of the same tree (its layers merged, imported)."""
-    if shutil.which("podman") is None:
-        result.podman_unavailable = "podman is not installed"
-        return
     merged = area / "merged"
     merged.mkdir()
     for layer in image.layer_dirs:  # these layers only add files: merging is copying in order
         subprocess.run(["cp", "-a", f"{layer}/.", str(merged)], check=True)
+    _bwrap(merged, samples, result)
+    if shutil.which("podman") is None:
+        result.podman_unavailable = "podman is not installed"
+        return
     tar = subprocess.Popen(["tar", "-C", str(merged), "-c", "."], stdout=subprocess.PIPE)
     imported = subprocess.run(
         ["podman", "import", "-", PODMAN_IMAGE], stdin=tar.stdout, capture_output=True, check=False
@@ -193,6 +196,19 @@ def _podman(image: Image, area: Path, samples: int, result: ImagesLayerResult) -
         _podman_run("rmi", "-f", PODMAN_IMAGE)
 
 
+def _bwrap(merged: Path, samples: int, result: ImagesLayerResult) -> None:
+    """bubblewrap per command over the merged tree: the floor of a sandbox made per command
+    in C (no copy-on-write of the image, no journal, no worker kept ahead)."""
+    if shutil.which("bwrap") is None:
+        return
+    argv = ["bwrap", "--bind", str(merged), "/", "--proc", "/proc", "--dev", "/dev",
+            "--unshare-all", "--die-with-parent", "--new-session", "/bin/true"]  # fmt: skip
+    for _ in range(samples):
+        start = time.perf_counter_ns()
+        subprocess.run(argv, check=True, capture_output=True)
+        result.bwrap_true.add(time.perf_counter_ns() - start)
+
+
 def _podman_run(*args: str, check: bool = False) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(["podman", *args], capture_output=True, check=check, timeout=120)
 
@@ -219,6 +235,8 @@ def render(result: ImagesLayerResult, table: object, ms: object) -> str:
         row(f"{FORKS} forks of a layer over the image, total", result.forks_16),
         row(f"a first call in each of the {FORKS} forks, total", result.forks_16_called),
     ]
+    if result.bwrap_true.count:
+        rows.append(row("`bwrap ... true` over the merged tree (no layer)", result.bwrap_true))
     if result.podman_unavailable is None:
         rows.append(row("`podman run --rm IMG true` (the 3-layer image)", result.podman_run))
         rows.append(row("`podman exec CTR true`", result.podman_exec))
