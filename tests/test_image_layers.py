@@ -30,7 +30,8 @@ BUSYBOX = shutil.which("busybox") or "/bin/busybox"
 #: The programs the image's first layer links to busybox.
 APPLETS = (
     "sh", "ls", "cat", "echo", "id", "stat", "mkdir", "rm", "hostname", "env", "pwd", "test",
-    "touch", "sleep", "readlink", "head", "wc", "true", "grep", "mount",
+    "touch", "sleep", "readlink", "head", "wc", "true", "grep", "mount", "wget", "yes", "chmod",
+    "mv", "ln",
 )  # fmt: skip
 
 
@@ -491,3 +492,34 @@ def test_without_overlays_an_image_layer_is_refused_naming_why(tmp_path: Path) -
     assert "mount namespace" in out["error"]
     assert "doctor" in out["error"]
     assert out["made"] == []
+
+
+@pytest.mark.needs("network allow-list")
+async def test_an_allow_listed_call_in_an_image_reaches_only_its_hosts(tmp_path: Path) -> None:
+    from test_network_allowlist import Server, allow_config
+
+    server = Server()
+    try:
+        image = make_image(tmp_path / "image")
+        allow = [f"index.test:{server.port}"]
+        config = allow_config(allow).override(workspace={"layers": str(tmp_path / "layers")})
+        async with Pool(tmp_path / "ws", config=config, workers=2) as pool:
+            ws = await pool.layer("net", image=image)
+            # busybox's wget, the image's own program, goes through the proxy's variables.
+            outcome = await pool.call(
+                "bash",
+                {
+                    "command": f"wget -q -O /got http://index.test:{server.port}/b;"
+                    f" wget -q -O - http://evil.test:{server.port}/ || echo refused;"
+                    " grep -c nameserver /etc/resolv.conf || true"
+                },
+                workspace=ws,
+            )
+            changed = [c["path"] for c in await ws.diff()]
+    finally:
+        server.close()
+    assert outcome.status is Status.OK, outcome
+    assert outcome.value is not None
+    assert outcome.value["stdout"].startswith("refused\n"), outcome.value
+    assert outcome.value["network_denied"] == ["evil.test"]
+    assert changed == ["got"]
