@@ -311,6 +311,10 @@ async def test_fork_persists_and_refuses_another_image(tmp_path: Path) -> None:
             await pool.layer("img", image=other)
         with pytest.raises(ValueError, match="not both"):
             await pool.layer("new", base=tmp_path, image=image)
+        with pytest.raises(ValueError, match="no view or layer_at"):
+            await pool.call("ls", {}, workspace=ws, view=str(tmp_path / "ws" / "v"))
+        with pytest.raises(ValueError, match="changes='tracked'"):
+            await pool.call("ls", {}, workspace=ws, changes="tracked")
         with pytest.raises(TypeError, match="must be an Image"):
             await pool.layer("new", image="busybox:latest")  # type: ignore[arg-type]
         await branches[2].remove()
@@ -523,3 +527,56 @@ async def test_an_allow_listed_call_in_an_image_reaches_only_its_hosts(tmp_path:
     assert outcome.value["stdout"].startswith("refused\n"), outcome.value
     assert outcome.value["network_denied"] == ["evil.test"]
     assert changed == ["got"]
+
+
+def _merged(image: Image) -> dict[str, str]:
+    """The image's tree as the OCI layer rules make it (what `umoci raw unpack` writes):
+    each layer over the ones below, a whiteout deleting its path, an opaque directory hiding
+    what lay below it. Path -> "d" | "l:TARGET" | "f:SHA256"."""
+    tree: dict[str, str] = {}
+    for layer in map(Path, image.layer_dirs):
+        for path in sorted(layer.rglob("*"), key=lambda p: len(p.parts)):
+            rel = "/" + str(path.relative_to(layer))
+            st = os.lstat(path)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                tree = {p: k for p, k in tree.items() if p != rel and not p.startswith(rel + "/")}
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if "user.overlay.opaque" in os.listxattr(path):
+                    tree = {p: k for p, k in tree.items() if not p.startswith(rel + "/")}
+                tree[rel] = "d"
+            elif stat.S_ISLNK(st.st_mode):
+                tree[rel] = "l:" + os.readlink(path)
+            else:
+                tree[rel] = "f:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    return tree
+
+
+async def test_the_merged_tree_is_the_images_by_the_oci_rules(tmp_path: Path) -> None:
+    image = make_image(tmp_path / "image", extra_layers=2)
+    expected = _merged(image)
+    async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:
+        ws = await pool.layer("img", image=image)
+        value = await _bash(
+            pool,
+            ws,
+            "cd /; find . -xdev -type d; find . -xdev -type l -exec sh -c"
+            ' \'for p; do echo "$p -> $(readlink "$p")"; done\' _ {} +;'
+            " find . -xdev -type f -exec sha256sum {} +",
+        )
+    seen: dict[str, str] = {}
+    for line in value["stdout"].splitlines():
+        if " -> " in line:
+            path, target = line.split(" -> ", 1)
+            seen[path[1:]] = "l:" + target
+        elif "  " in line:
+            digest, path = line.split("  ", 1)
+            seen[path[1:]] = "f:" + digest
+        elif line != ".":
+            seen[line[1:]] = "d"
+    # What a call is given on top, as a runtime gives it, is all else: its mount points (the
+    # layer's own skeleton) and the /etc files bound there.
+    given = {"/proc", "/sys", "/dev", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf"}
+    assert {p: k for p, k in seen.items() if p not in expected and p not in given} == {}
+    assert {p: k for p, k in expected.items() if seen.get(p) != k and p not in given} == {}
+    assert len(expected) > 40
