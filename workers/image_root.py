@@ -98,10 +98,14 @@ def mount(layer_dir: str, lowers: tuple[str, ...], root: str, options: str, *, u
                     " it is gone from the image store, or was never unpacked"
                 ) from exc
         named = [f"/proc/self/fd/{fd}" for fd in fds]
-        rest = f"{options}"
+        rest = options
         if upper:
             upper_dir = os.path.join(layer_dir, "upper")
             work_dir = os.path.join(layer_dir, "work")
+            if any(c in layer_dir for c in ",:\\"):
+                raise ImageMountError(
+                    f"cannot mount a layer whose path holds ',', ':' or '\\': {layer_dir}"
+                )
             rest = f"upperdir={upper_dir},workdir={work_dir},{options}"
         # nodev: an image is anyone's tarball, and a device node in it (a disk, /dev/mem)
         # would open as its mode says, capability or not. nosuid: no_new_privs holds for
