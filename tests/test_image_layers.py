@@ -182,6 +182,9 @@ async def test_calls_see_the_image_as_root_and_the_layer_keeps_the_writes(tmp_pa
             "/usr/local/bin/tool; cat /etc/os-release; ls /new; test -e /bin/cat || echo rm",
         )
         assert again["stdout"] == "tool\nID=sandbx-edited\n/new\nrm\n", again
+        # Made by uid 0 in the call's namespace, owned by the pool's user outside.
+        made = os.stat(Path(ws.directory) / "upper" / "new")
+        assert (made.st_uid, made.st_gid) == (os.getuid(), os.getgid())
         changes = {c["path"]: (c["kind"], c["type"]) for c in await ws.diff()}
         assert changes == {
             "bin/cat": ("deleted", "symlink"),
