@@ -429,6 +429,14 @@ async def test_bash_is_the_images_own_and_a_session_keeps_its_state(tmp_path: Pa
         sh_only = await pool.layer("sh", image=plain)
         shell = await _bash(pool, sh_only, "readlink /proc/$$/exe")
         assert shell["stdout"] == "/bin/busybox\n"  # no bash in that image: its /bin/sh
+        in_session = await pool.call("bash", {"command": "echo hi"}, workspace=sh_only, session="x")
+        assert in_session.status is Status.OK, in_session
+        assert in_session.value is not None
+        assert in_session.value["stdout"] == "hi\n", in_session.value
+        # busybox's sh has no `declare`: the session keeps its state, and says so.
+        assert in_session.session is not None
+        assert in_session.session["updated"] is False
+        assert "keeps its state" in in_session.session["note"]
         ws = await pool.layer("img", image=image)
         assert (await _bash(pool, ws, "echo $BASH"))["stdout"] == "/bin/bash\n"
         first = await pool.call(
