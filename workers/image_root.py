@@ -195,10 +195,12 @@ def enter(root: str, layer_dir: str, *, network: bool) -> None:
 
 
 def _check_mount_points(root: str) -> None:
-    """Each mount point is what it must be, and no symlink: mount(2) follows one, and an
-    earlier call in the layer could have left ``/proc`` pointing at a directory of the host.
-    (Nothing changes the layer meanwhile: its calls run one at a time, and this one has not
-    started anything yet.)"""
+    """Each mount point is what it must be, and no symlink: mount(2) follows one. A call
+    cannot replace one (each is in use while it runs, and overlayfs renames no lower
+    directory), but the upper directory is a plain directory of the store, and ``/proc`` left
+    there as a symlink to a directory of the host must refuse the call, not be mounted
+    through. (Nothing changes the layer meanwhile: its calls run one at a time, and this one
+    has started nothing yet.)"""
     for name, kind in MOUNT_POINTS.items():
         try:
             st = os.lstat(os.path.join(root, name))
