@@ -22,6 +22,8 @@ from bench.changes import BIG_MIB, FILES, ChangesResult
 from bench.changes import MODES as CHANGE_MODES
 from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.hung import HungResult
+from bench.images_layer import ImagesLayerResult
+from bench.images_layer import render as render_images_layer
 from bench.latency import LatencyResult
 from bench.layers import BASE_FILES, CHANGED, LayersResult
 from bench.network import INDEX_NAME, NetworkResult
@@ -57,6 +59,7 @@ class Report:
     oneshot: OneShotResult | None = None
     changes: ChangesResult | None = None
     layers: LayersResult | None = None
+    images_layer: ImagesLayerResult | None = None
     sessions: SessionsResult | None = None
     network: NetworkResult | None = None
     final_left: Leftovers | None = None
@@ -710,6 +713,8 @@ def render(report: Report) -> str:
         parts.append(_changes(report.changes))
     if report.layers is not None:
         parts.append(_layers(report.layers))
+    if report.images_layer is not None:
+        parts.append(render_images_layer(report.images_layer, table, ms))
     if report.sessions is not None:
         parts.append(_sessions(report.sessions))
     if report.network is not None:
