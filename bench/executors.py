@@ -49,6 +49,7 @@ class Ran:
     exit_code: int
     output: str
     elapsed_ns: int
+    errors: str = ""  # stderr, where the executor keeps it apart
 
 
 class Executor(Protocol):
@@ -81,7 +82,7 @@ class Bare:
             timeout=COMMAND_TIMEOUT_S,
             check=False,
         )
-        return Ran(done.returncode, done.stdout, time.perf_counter_ns() - start)
+        return Ran(done.returncode, done.stdout, time.perf_counter_ns() - start, done.stderr)
 
 
 class Bwrap:
@@ -96,7 +97,7 @@ class Bwrap:
             raise RuntimeError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
         # A --bind after --ro-bind / / makes that one directory writable again.
         binds = ["--bind", cwd, cwd] if writable else []
-        self.prefix = [*BWRAP_ARGV[:5], *binds, *BWRAP_ARGV[5:], "--chdir", cwd]
+        self.prefix = [*BWRAP_ARGV[:4], *binds, *BWRAP_ARGV[4:], "--chdir", cwd]
 
     def run(self, command: str | Sequence[str]) -> Ran:
         start = time.perf_counter_ns()
@@ -107,7 +108,7 @@ class Bwrap:
             timeout=COMMAND_TIMEOUT_S,
             check=False,
         )
-        return Ran(done.returncode, done.stdout, time.perf_counter_ns() - start)
+        return Ran(done.returncode, done.stdout, time.perf_counter_ns() - start, done.stderr)
 
 
 class MiniSweLocal:
