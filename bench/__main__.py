@@ -47,7 +47,7 @@ class Counts:
     percall_rounds: int = 8  # issue 40's rows, in the latency section
     percall_per_round: int = 10
     parallel_calls: int = 600  # issue 40's rows, in the throughput section
-    trajectory_rounds: int = 3
+    trajectory_rounds: int = 5
 
 
 QUICK = Counts(

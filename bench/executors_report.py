@@ -107,6 +107,14 @@ def parallel_section(result: ParallelResult) -> str:
     )
 
 
+def _ratio_and_range(result: TrajectoryResult, executor: str, peer: str) -> str:
+    if executor == peer:
+        return "1x"
+    low, high = result.small_ratio_range(executor, peer)
+    median = _times(result.small_ratio(executor, peer))
+    return median if low == high else f"{median} ({_times(low)}-{_times(high)})"
+
+
 def trajectory_section(result: TrajectoryResult) -> str:
     header = [
         "executor",
@@ -124,8 +132,8 @@ def trajectory_section(result: TrajectoryResult) -> str:
             f"{result.wall_s(key):.2f}",
             _ms(result.small_ms(key)),
             _ms(result.tests_ms(key)),
-            _times(result.small_ratio(key, trajectory.MINI)),
-            _times(result.small_ratio(key, trajectory.BWRAP)),
+            _ratio_and_range(result, key, trajectory.MINI),
+            _ratio_and_range(result, key, trajectory.BWRAP),
         ]
         for key in result.executors
         if result.rounds(key)
@@ -134,7 +142,8 @@ def trajectory_section(result: TrajectoryResult) -> str:
         f"## Trajectory: {result.steps} calls of a coding agent over {result.source}\n\n"
         "read, grep, find, edit and bash over the repository's source, ending with its own "
         f"tests (`{result.tests}`, in a venv of their own); each executor on a fresh copy, the "
-        "runs in turns; medians over the runs (`bench/trajectory.py`).\n\n" + _table(header, rows)
+        "runs in turns; medians over the runs, and in brackets the range of the small-call "
+        "ratio between two runs of one round (`bench/trajectory.py`).\n\n" + _table(header, rows)
     )
     if result.layer_unavailable:
         text += f"\n\nNo layer row: {result.layer_unavailable}"

@@ -148,6 +148,7 @@ def steps(python: str) -> list[Step]:
 @dataclass(frozen=True)
 class Run:
     executor: str
+    number: int  # the round
     durations_ns: list[int]  # one per step
     wall_ns: int  # first call's start to last call's end
 
@@ -177,6 +178,18 @@ class TrajectoryResult:
 
     def small_ratio(self, executor: str, peer: str) -> float:
         return ratio(self.small_ms(executor), self.small_ms(peer))
+
+    def small_ratio_range(self, executor: str, peer: str) -> tuple[float, float]:
+        """The lowest and highest small-call ratio of one round's two runs: how much the
+        machine moved it."""
+        mine = {
+            run.number: sum(run.durations_ns[:-1]) for run in self.runs if run.executor == executor
+        }
+        theirs = {
+            run.number: sum(run.durations_ns[:-1]) for run in self.runs if run.executor == peer
+        }
+        ratios = [ratio(mine[n], theirs[n]) for n in mine if n in theirs]
+        return (min(ratios), max(ratios)) if ratios else (math.nan, math.nan)
 
     def rounds(self, executor: str) -> int:
         return sum(1 for run in self.runs if run.executor == executor)
@@ -224,7 +237,7 @@ def _shell_call(executor: MiniSweLocal | Bwrap) -> Call:
     return call
 
 
-async def _timed(executor: str, call: Call, plan: list[Step]) -> Run:
+async def _timed(executor: str, number: int, call: Call, plan: list[Step]) -> Run:
     await call(_bash("true", ""))  # untimed: a first call's own costs are not the agent's turns
     durations = []
     start = time.perf_counter_ns()
@@ -232,7 +245,7 @@ async def _timed(executor: str, call: Call, plan: list[Step]) -> Run:
         before = time.perf_counter_ns()
         await call(step)
         durations.append(time.perf_counter_ns() - before)
-    return Run(executor, durations, time.perf_counter_ns() - start)
+    return Run(executor, number, durations, time.perf_counter_ns() - start)
 
 
 async def _one_run(
@@ -243,27 +256,27 @@ async def _one_run(
     tree = await asyncio.to_thread(repo.extract, area)
     plan = steps(str(repo.python))
     if executor == MINI:
-        return await _timed(executor, _shell_call(MiniSweLocal(str(tree))), plan)
+        return await _timed(executor, number, _shell_call(MiniSweLocal(str(tree))), plan)
     if executor == BWRAP:
-        return await _timed(executor, _shell_call(Bwrap(str(tree), writable=True)), plan)
+        return await _timed(executor, number, _shell_call(Bwrap(str(tree), writable=True)), plan)
     config = ws.config(
         sandbox={"read_only": list(repo.readable)}, workspace={"layers": str(area / "store")}
     )
     async with Pool(tree, config=config, journal=ws.journal(f"trajectory-{executor}")) as pool:
         if executor == PLAIN:
-            return await _timed(executor, _pool_call(pool, None), plan)
+            return await _timed(executor, number, _pool_call(pool, None), plan)
         try:
             layer = await pool.layer(f"run{number}", base=tree)
         except LayerUnavailable as exc:
             result.layer_unavailable = str(exc)
             return None
         try:
-            return await _timed(executor, _pool_call(pool, layer), plan)
+            return await _timed(executor, number, _pool_call(pool, layer), plan)
         finally:
             await layer.remove()
 
 
-def run(ws: BenchWorkspace, *, rounds: int = 3) -> TrajectoryResult:
+def run(ws: BenchWorkspace, *, rounds: int = 5) -> TrajectoryResult:
     return asyncio.run(_run(ws, rounds))
 
 
