@@ -119,7 +119,7 @@ def trajectory_section(result: TrajectoryResult) -> str:
     header = [
         "executor",
         "runs",
-        "wall s",
+        "40 calls, s",
         f"{result.steps - 1} small calls, ms",
         "test run, ms",
         "small calls vs mini-swe-agent",
@@ -129,7 +129,7 @@ def trajectory_section(result: TrajectoryResult) -> str:
         [
             trajectory.NAMES[key],
             str(result.rounds(key)),
-            f"{result.wall_s(key):.2f}",
+            f"{result.total_s(key):.2f}",
             _ms(result.small_ms(key)),
             _ms(result.tests_ms(key)),
             _ratio_and_range(result, key, trajectory.MINI),
@@ -141,8 +141,8 @@ def trajectory_section(result: TrajectoryResult) -> str:
     text = (
         f"## Trajectory: {result.steps} calls of a coding agent over {result.source}\n\n"
         "read, grep, find, edit and bash over the repository's source, ending with its own "
-        f"tests (`{result.tests}`, in a venv of their own); each executor on a fresh copy, the "
-        "runs in turns; medians over the runs, and in brackets the range of the small-call "
+        f"tests (`{result.tests}`, in a venv of their own); each executor on a fresh copy, taking "
+        "turns call by call; medians over the rounds, and in brackets the range of the small-call "
         "ratio between two runs of one round (`bench/trajectory.py`).\n\n" + _table(header, rows)
     )
     if result.layer_unavailable:

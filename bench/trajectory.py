@@ -14,9 +14,10 @@ Every executor runs the same steps, each checked (the text expected in its answe
   shell commands, as their agents issue them (``cat``, ``sed -n``, ``grep -rn``, ``find``,
   ``sed -i``).
 
-A pool is opened, and every executor makes one untimed ``true``, before a run starts: what is
-timed is an agent's turns, not a pool's start. Runs take turns, the order rotated each round;
-a figure is the median over the rounds.
+In each round every executor gets its copy (the pools are opened) and makes one untimed
+``true``: what is timed is an agent's calls, not a pool's start. Then the executors take turns
+step by step, the order rotated at each step, so that the load of a shared machine falls on all
+alike; a run's time is the sum of its calls' durations, and a figure the median over rounds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import shlex
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,7 +152,6 @@ class Run:
     executor: str
     number: int  # the round
     durations_ns: list[int]  # one per step
-    wall_ns: int  # first call's start to last call's end
 
 
 @dataclass
@@ -166,8 +167,9 @@ class TrajectoryResult:
         values = [measure(run) for run in self.runs if run.executor == executor]
         return statistics.median(values) if values else math.nan
 
-    def wall_s(self, executor: str) -> float:
-        return self._median(executor, lambda run: run.wall_ns / 1e9)
+    def total_s(self, executor: str) -> float:
+        """The whole trajectory: its 40 calls' durations, summed."""
+        return self._median(executor, lambda run: sum(run.durations_ns) / 1e9)
 
     def small_ms(self, executor: str) -> float:
         """The small calls (all but the last, the test run), summed."""
@@ -237,43 +239,36 @@ def _shell_call(executor: MiniSweLocal | Bwrap) -> Call:
     return call
 
 
-async def _timed(executor: str, number: int, call: Call, plan: list[Step]) -> Run:
-    await call(_bash("true", ""))  # untimed: a first call's own costs are not the agent's turns
-    durations = []
-    start = time.perf_counter_ns()
-    for step in plan:
-        before = time.perf_counter_ns()
-        await call(step)
-        durations.append(time.perf_counter_ns() - before)
-    return Run(executor, number, durations, time.perf_counter_ns() - start)
-
-
-async def _one_run(
-    ws: BenchWorkspace, repo: Repository, executor: str, number: int, result: TrajectoryResult
-) -> Run | None:
+async def _open(
+    stack: AsyncExitStack,
+    ws: BenchWorkspace,
+    repo: Repository,
+    executor: str,
+    number: int,
+    result: TrajectoryResult,
+) -> Call | None:
+    """The executor's call on a fresh copy of the source; None if it cannot run here."""
     area = ws.root / "trajectory" / f"{executor}-{number}"
     area.mkdir(parents=True)
     tree = await asyncio.to_thread(repo.extract, area)
-    plan = steps(str(repo.python))
     if executor == MINI:
-        return await _timed(executor, number, _shell_call(MiniSweLocal(str(tree))), plan)
+        return _shell_call(MiniSweLocal(str(tree)))
     if executor == BWRAP:
-        return await _timed(executor, number, _shell_call(Bwrap(str(tree), writable=True)), plan)
+        return _shell_call(Bwrap(str(tree), writable=True))
     config = ws.config(
         sandbox={"read_only": list(repo.readable)}, workspace={"layers": str(area / "store")}
     )
-    async with Pool(tree, config=config, journal=ws.journal(f"trajectory-{executor}")) as pool:
-        if executor == PLAIN:
-            return await _timed(executor, number, _pool_call(pool, None), plan)
-        try:
-            layer = await pool.layer(f"run{number}", base=tree)
-        except LayerUnavailable as exc:
-            result.layer_unavailable = str(exc)
-            return None
-        try:
-            return await _timed(executor, number, _pool_call(pool, layer), plan)
-        finally:
-            await layer.remove()
+    journal = ws.journal(f"trajectory-{executor}")
+    pool = await stack.enter_async_context(Pool(tree, config=config, journal=journal))
+    if executor == PLAIN:
+        return _pool_call(pool, None)
+    try:
+        layer = await pool.layer(f"run{number}", base=tree)
+    except LayerUnavailable as exc:
+        result.layer_unavailable = str(exc)
+        return None
+    stack.push_async_callback(layer.remove)  # before the pool closes: a stack unwinds backwards
+    return _pool_call(pool, layer)
 
 
 def run(ws: BenchWorkspace, *, rounds: int = 5) -> TrajectoryResult:
@@ -287,13 +282,23 @@ async def _run(ws: BenchWorkspace, rounds: int) -> TrajectoryResult:
         steps=len(plan), source=repo.sdist.name, tests=TESTS, executors=[PLAIN, LAYER, MINI, BWRAP]
     )
     logger.info("trajectory: {} calls over {}, {} rounds", len(plan), repo.sdist.name, rounds)
-    order = list(result.executors)
     for number in range(rounds):
-        shift = number % len(order)
-        for executor in order[shift:] + order[:shift]:
-            if executor == LAYER and result.layer_unavailable is not None:
-                continue
-            made = await _one_run(ws, repo, executor, number, result)
-            if made is not None:
-                result.runs.append(made)
+        async with AsyncExitStack() as stack:
+            calls: dict[str, Call] = {}
+            for executor in result.executors:
+                call = await _open(stack, ws, repo, executor, number, result)
+                if call is not None:
+                    await call(_bash("true", ""))  # untimed: a first call's own costs
+                    calls[executor] = call
+            durations: dict[str, list[int]] = {executor: [] for executor in calls}
+            order = list(calls)
+            # Step by step, the executors taking turns (rotated at each step): a burst of the
+            # machine's other load then falls on all of them, not on one executor's whole run.
+            for index, step in enumerate(plan):
+                shift = (number + index) % len(order)
+                for executor in order[shift:] + order[:shift]:
+                    before = time.perf_counter_ns()
+                    await calls[executor](step)
+                    durations[executor].append(time.perf_counter_ns() - before)
+            result.runs += [Run(key, number, values) for key, values in durations.items()]
     return result
