@@ -26,6 +26,7 @@ SECTIONS = (
     "images_layer",
     "sessions",
     "network",
+    "trajectory",
 )
 
 
@@ -44,6 +45,10 @@ class Counts:
     sessions_calls: int = 400
     network_calls: int = 300
     network_downloads: int = 10
+    percall_rounds: int = 8  # issue 40's rows, in the latency section
+    percall_per_round: int = 10
+    parallel_calls: int = 600  # issue 40's rows, in the throughput section
+    trajectory_rounds: int = 5
 
 
 QUICK = Counts(
@@ -60,6 +65,10 @@ QUICK = Counts(
     sessions_calls=60,
     network_calls=60,
     network_downloads=3,
+    percall_rounds=2,
+    percall_per_round=5,
+    parallel_calls=160,
+    trajectory_rounds=1,
 )
 
 
@@ -105,12 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         layers,
         network,
         oneshot,
+        parallel,
+        percall,
         report,
         search,
         sessions,
         soak,
         streaming,
         throughput,
+        trajectory,
     )
     from bench.procs import cpu_snapshot, leftovers, others_share
     from bench.workspace import MARKER, bench_workspace
@@ -138,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             before = cpu_snapshot()
             try:
                 if section == "latency":
+                    result.percall = percall.run(
+                        ws, rounds=counts.percall_rounds, per_round=counts.percall_per_round
+                    )
                     result.latency = latency.run(ws, calls=counts.latency_calls)
                 elif section == "cancel":
                     result.cancel = cancel.run(ws, count=counts.cancels)
@@ -145,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     result.hung = hung.run(ws, count=counts.hung_stops)
                 elif section == "throughput":
                     result.throughput = throughput.run(ws, calls=counts.throughput_calls)
+                    result.parallel = parallel.run(ws, calls=counts.parallel_calls)
                 elif section == "soak":
                     calls = args.soak_calls or counts.soak_calls
                     result.soak = soak.run(ws, calls=calls, seed=args.seed)
@@ -169,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.network = network.run(
                         ws, calls=counts.network_calls, downloads=counts.network_downloads
                     )
+                elif section == "trajectory":
+                    result.trajectory = trajectory.run(ws, rounds=counts.trajectory_rounds)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"
