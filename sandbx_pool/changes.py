@@ -166,6 +166,14 @@ class ChangeSets:
             "max_bytes": self.max_bytes,
         }
 
+    def _read_undo_report(self, call_id: str) -> Report | None:
+        try:
+            with open(self.report(call_id) + ".undo", "rb") as f:
+                return report_decoder.decode(f.read())
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("undo of {}: its report cannot be read: {}", call_id, exc)
+            return None
+
     def _read_report(self, call_id: str, done: Outcome) -> Report | None:
         """The change list the apply worker wrote; None when it answered nothing (it failed
         before, and ``done`` says why) or the report is unreadable."""
@@ -269,6 +277,7 @@ class ChangeSets:
                 "images": self._pre_images(call_id),
                 "objects": self.objects,
                 "images_sha256": digest,
+                "report": self.report(call_id) + ".undo",
             }
             done = await run(f"{call_id}-undo", "_undo_changes", args, workspace)
             value = done.value
@@ -289,16 +298,29 @@ class ChangeSets:
                 path = value["changed"][0]
                 later = _later_change(scan.records[position + 1 :], path)
                 by = f"by call {later}" if later is not None else "outside the pool"
-                stopped = value.get("paths")
-                what = (
-                    f"undone up to it: {', '.join(stopped)}" if stopped else "nothing was changed"
-                )
+                what = "nothing was changed"
+                if value.get("partly"):
+                    # Swapped between the check and the write: it stopped there, never wrote
+                    # through it; what it had put back stays so, and is journaled.
+                    report = self._read_undo_report(call_id)
+                    if report is not None and report.undone:
+                        await journal.undone(call_id, report.undone)
+                    what = "it stopped there; what it had put back is journaled as undone"
                 raise UndoConflict(
                     f"cannot undo {call_id}: {path} was changed {by} since; {what}",
                     path,
                     later,
                 )
-            paths: list[str] = value["paths"]
+            undo_report = self._read_undo_report(call_id)
+            if undo_report is None:
+                raise ValueError(f"cannot undo {call_id}: its undo's report is unreadable")
+            paths = undo_report.undone
+            if undo_report.protected:
+                logger.warning(
+                    "undo of {}: protected paths left as they are: {}",
+                    call_id,
+                    ", ".join(undo_report.protected),
+                )
             self.record(f"undo of {call_id}", frozenset(paths), oldest_running=oldest_running)
             await journal.undone(call_id, paths)
             return paths

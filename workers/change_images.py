@@ -26,6 +26,7 @@ reopen (sandbx_pool.changes), which finishes it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import stat
@@ -194,22 +195,29 @@ def _stat_at(dir_fd: int, name: str) -> os.stat_result | None:
         return None
 
 
-def _remove(workspace: Beneath, rel: str) -> None:
+def _remove(workspace: Beneath, rel: str) -> bool:
+    """Whether ``rel`` is gone: False for a directory that still holds what was not to be
+    removed (a protected path, left)."""
     try:
         dir_fd, name = workspace.parent(rel)
     except FileNotFoundError:
-        return  # its directory is gone already: nothing there to remove
+        return True  # its directory is gone already: nothing there to remove
     try:
         st = _stat_at(dir_fd, name)
         if st is None:
-            return
+            return True
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISDIR(st.st_mode):
                 os.rmdir(name, dir_fd=dir_fd)
             else:
                 os.unlink(name, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ENOTEMPTY:
+            return False
+        raise
     finally:
         os.close(dir_fd)
+    return True
 
 
 def _put_dir(workspace: Beneath, rel: str, mode: int | None) -> None:
@@ -319,8 +327,8 @@ def set_to(
     done = done if done is not None else []
     removals, puts = _order(wanted)
     for path in removals:
-        _remove(workspace, path)
-        done.append(path)
+        if _remove(workspace, path):
+            done.append(path)
     # Directories and symlinks in place, files staged beside their targets; then one sync of
     # the filesystem, the files renamed over their targets, and a second sync for the renames.
     staged: list[tuple[str, str]] = []

@@ -241,6 +241,8 @@ class UndoChangesArgs(ToolArgs):
     objects: str
     #: The sha256 of images.json as journaled with the call's outcome (None: none was).
     images_sha256: str | None = None
+    #: Where the paths undone are written (J.d), out of band as an apply's change list.
+    report: str = ""
 
 
 class LayerOpenArgs(ToolArgs):

@@ -134,5 +134,7 @@ def undo_changes(args: UndoChangesArgs, ctx: ExecutionContext) -> dict[str, Any]
             change_images.check_ancestors(set(images.paths) - skip, workspace)
             change_images.set_to(images, "pre", workspace, source, skip=skip, done=done)
         except Swapped as exc:
-            return {"undone": False, "changed": [exc.path], "paths": sorted(done)}
-    return {"undone": True, "paths": sorted(done), "protected": sorted(skip)}
+            return {"undone": False, "changed": [exc.path], "partly": bool(done)}
+        finally:
+            _write_report(args.report, Report([], sorted(skip), sorted(done)))
+    return {"undone": True}
