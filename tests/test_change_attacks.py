@@ -202,23 +202,23 @@ async def test_pre_images_are_never_read_through_a_symlink_to_outside(
     (workspace / "lnk").symlink_to(outside)
     journal = tmp_path / "j.jsonl"
     secrets = {hashlib.sha256(secret).hexdigest()}
-    if os.access("/etc/shadow", os.R_OK):  # root: root's own secret too
+    commands = {"lnk/secret": "rm lnk && mkdir lnk && echo mine > lnk/secret"}
+    if os.access("/etc/shadow", os.R_OK):  # root: root's own secret, as the red team took it
         with open("/etc/shadow", "rb") as shadow:  # noqa: ASYNC230 (before the pool)
             secrets.add(hashlib.sha256(shadow.read()).hexdigest())
-        os.symlink("/etc", workspace / "etc")
-    command = "rm lnk && mkdir lnk && echo mine > lnk/secret"
-    if (workspace / "etc").is_symlink():
-        command += " && rm etc && mkdir etc && echo mine > etc/shadow"
+        (workspace / "etc").symlink_to("/etc")
+        commands["etc/shadow"] = "rm etc && mkdir etc && echo mine > etc/shadow"
     async with Pool(workspace, journal=journal, config=_config(), changes="tracked") as pool:
-        outcome = await pool.call("bash", {"command": command})
-        assert outcome.ok, outcome.error
-    by_path = {c["path"]: c for c in outcome.changes or []}
-    # Below a symlink is not in the workspace: the call created the file, it modified nothing.
-    assert by_path["lnk/secret"]["kind"] == "created"
+        for path, command in commands.items():
+            outcome = await pool.call("bash", {"command": command})
+            assert outcome.ok, outcome.error
+            by_path = {c["path"]: c for c in outcome.changes or []}
+            # Below a symlink is not in the workspace: the call created the file.
+            assert by_path[path]["kind"] == "created"
+            assert (workspace / path).read_text() == "mine\n"
     assert not secrets & set(_objects(journal)), "a file from outside the workspace is in J.d"
     assert secret not in _objects(journal).values()
     assert (outside / "secret").read_bytes() == secret
-    assert (workspace / "lnk" / "secret").read_text() == "mine\n"
 
 
 async def test_a_change_set_past_the_output_limit_is_applied_and_listed_whole(
