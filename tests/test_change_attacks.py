@@ -202,12 +202,13 @@ async def test_pre_images_are_never_read_through_a_symlink_to_outside(
     (workspace / "lnk").symlink_to(outside)
     journal = tmp_path / "j.jsonl"
     secrets = {hashlib.sha256(secret).hexdigest()}
-    commands = {"lnk/secret": "rm lnk && mkdir lnk && echo mine > lnk/secret"}
+    commands: dict[str, str] = {}
     if os.access("/etc/shadow", os.R_OK):  # root: root's own secret, as the red team took it
         with open("/etc/shadow", "rb") as shadow:  # noqa: ASYNC230 (before the pool)
             secrets.add(hashlib.sha256(shadow.read()).hexdigest())
         (workspace / "etc").symlink_to("/etc")
         commands["etc/shadow"] = "rm etc && mkdir etc && echo mine > etc/shadow"
+    commands["lnk/secret"] = "rm lnk && mkdir lnk && echo mine > lnk/secret"
     async with Pool(workspace, journal=journal, config=_config(), changes="tracked") as pool:
         for path, command in commands.items():
             outcome = await pool.call("bash", {"command": command})
