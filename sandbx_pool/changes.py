@@ -228,7 +228,7 @@ class ChangeSets:
                 paths = frozenset(c["path"] for c in report.changes if c.get("applied"))
                 if paths:
                     self.record(call_id, paths, oldest_running=oldest_running)
-        return with_changes(outcome, done, report)
+        return with_changes(outcome, done, report, applying=apply)
 
     async def finish_interrupted(self, journal: Journal, run: RunInternal) -> None:
         """Finish the applies a coordinator began and did not end (an ``applying`` record, no
@@ -368,7 +368,9 @@ def _later_change(records: list[Any], path: str) -> str | None:
     return None
 
 
-def with_changes(outcome: Outcome, done: Outcome, report: Report | None) -> Outcome:
+def with_changes(
+    outcome: Outcome, done: Outcome, report: Report | None, *, applying: bool = True
+) -> Outcome:
     """``outcome`` with what ``_apply_changes`` did (``report``, its change list: exactly the
     paths applied are ``applied``): a conflict (status error, CONFLICT), a change set too
     large (CHANGE_SET_TOO_LARGE), the protected paths set aside, or the reason the change set
@@ -384,7 +386,9 @@ def with_changes(outcome: Outcome, done: Outcome, report: Report | None) -> Outc
     )
     if report.protected:
         outcome = _protected_set_aside(outcome, report.protected, value.get("applied", False))
-    if value.get("too_large"):
+    if value.get("too_large") and applying:
+        # (A change set that was not to be applied anyway keeps its call's status: it is only
+        # not listed, past the bound.)
         error = (
             f"the call's change set is too large: {value['too_large']}; nothing was applied"
             " (it is kept beside the journal)"

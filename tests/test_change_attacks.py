@@ -258,6 +258,16 @@ async def test_a_change_set_too_large_is_not_applied(
     assert not (workspace / "many").exists()
     assert few.ok, few.error
     assert len(os.listdir(workspace / "few")) == 10
+    # A call that would not be applied anyway (transactional, timed out) keeps its status.
+    async with Pool(workspace, journal=journal, config=config, changes=mode) as pool:
+        timed = await pool.call(
+            "bash", {"command": "mkdir t && cd t && seq 1 60 | split -l 1 -a 2 && sleep 60"},
+            timeout=2,
+        )  # fmt: skip
+    assert timed.status is (Status.TIMEOUT if mode == "transactional" else Status.ERROR)
+    assert (timed.error_code == "CHANGE_SET_TOO_LARGE") is (mode == "tracked")
+    assert timed.changes == []
+    assert not (workspace / "t").exists()
     config = _config().override(workspace={"max_change_bytes": 1000})
     async with Pool(workspace, journal=journal, config=config, changes=mode) as pool:
         big = await pool.call("bash", {"command": "head -c 2000 /dev/zero > big"})
