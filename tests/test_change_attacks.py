@@ -200,7 +200,9 @@ async def test_pre_images_are_never_read_through_a_symlink_to_outside(
     secret = b"the operator's secret\n"
     (outside / "secret").write_bytes(secret)
     (workspace / "lnk").symlink_to(outside)
-    journal = tmp_path / "j.jsonl"
+    (workspace / "f").write_text("original\n")
+    (workspace / "logs").mkdir()
+    journal = workspace / "logs" / "j.jsonl"  # J.d in the workspace, as `run --journal` has it
     secrets = {hashlib.sha256(secret).hexdigest()}
     commands: dict[str, str] = {}
     if os.access("/etc/shadow", os.R_OK):  # root: root's own secret, as the red team took it
@@ -209,7 +211,16 @@ async def test_pre_images_are_never_read_through_a_symlink_to_outside(
         (workspace / "etc").symlink_to("/etc")
         commands["etc/shadow"] = "rm etc && mkdir etc && echo mine > etc/shadow"
     commands["lnk/secret"] = "rm lnk && mkdir lnk && echo mine > lnk/secret"
+    # A direct call started before the pool's first tracked call, to read back what J.d keeps.
+    reader = (
+        "while [ ! -e go ]; do sleep 0.01; done;"
+        " cat logs/j.jsonl.d/objects/* 2>/dev/null; ls logs/j.jsonl.d/objects"
+    )
     async with Pool(workspace, journal=journal, config=_config(), changes="tracked") as pool:
+        reading = asyncio.create_task(
+            pool.call("bash", {"command": reader}, changes="direct", timeout=60)
+        )
+        await asyncio.sleep(0)  # let the reader be sent first
         for path, command in commands.items():
             outcome = await pool.call("bash", {"command": command})
             assert outcome.ok, outcome.error
@@ -217,6 +228,12 @@ async def test_pre_images_are_never_read_through_a_symlink_to_outside(
             # Below a symlink is not in the workspace: the call created the file.
             assert by_path[path]["kind"] == "created"
             assert (workspace / path).read_text() == "mine\n"
+        kept = await pool.call("bash", {"command": "echo new > f && touch go"})
+        assert kept.ok, kept.error
+        read = await reading
+    assert hashlib.sha256(b"original\n").hexdigest() in _objects(journal)
+    assert read.value is not None, read
+    assert "original" not in read.value["stdout"], read.value
     assert not secrets & set(_objects(journal)), "a file from outside the workspace is in J.d"
     assert secret not in _objects(journal).values()
     assert (outside / "secret").read_bytes() == secret
