@@ -273,6 +273,11 @@ class ChangeSets:
                     " overlay here), which keeps no pre-images"
                 )
             position, workspace, digest = applied_call(scan.records, call_id, journal.path)
+            if digest is None:
+                raise ValueError(
+                    f"cannot undo {call_id}: no hash of its pre-images was journaled with its"
+                    " changes (an older sandbx-pool applied them), so they cannot be trusted"
+                )
             args = {
                 "images": self._pre_images(call_id),
                 "objects": self.objects,
@@ -384,8 +389,8 @@ def with_changes(
     outcome = msgspec.structs.replace(
         outcome, changes=listed, images_sha256=value.get("images_sha256")
     )
-    if report.protected:
-        outcome = _protected_set_aside(outcome, report.protected, value.get("applied", False))
+    if report.protected and value.get("applied"):
+        outcome = _protected_set_aside(outcome, report.protected)
     if value.get("too_large") and applying:
         # (A change set that was not to be applied anyway keeps its call's status: it is only
         # not listed, past the bound.)
@@ -419,10 +424,11 @@ def with_changes(
     return outcome
 
 
-def _protected_set_aside(outcome: Outcome, paths: list[str], applied: bool) -> Outcome:
-    """The protected paths of a change set, listed in the value's ``protected_set_aside`` as
-    bash lists what it set aside: never applied, the call's version kept in its change set."""
-    entries = [{"path": path, "to": None, "restored": applied} for path in paths]
+def _protected_set_aside(outcome: Outcome, paths: list[str]) -> Outcome:
+    """The protected paths of an applied change set, listed in the value's
+    ``protected_set_aside`` as bash lists what it set aside: never applied (the workspace's
+    stays as it was: ``restored``), the call's version kept in its change set only."""
+    entries = [{"path": path, "to": None, "restored": True} for path in paths]
     value = dict(outcome.value or {})
     value["protected_set_aside"] = [*value.get("protected_set_aside", []), *entries]
     return msgspec.structs.replace(outcome, value=value)

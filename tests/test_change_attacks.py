@@ -328,3 +328,21 @@ async def test_a_second_undo_says_the_call_was_already_undone(
         with pytest.raises(ValueError, match=f"call {made.call_id} was already undone"):
             await pool.undo(made.call_id)
     assert not (workspace / "n.txt").exists()
+
+
+async def test_a_change_set_journaled_without_its_hash_is_not_undone(
+    workspace: Path, tmp_path: Path
+) -> None:
+    journal = tmp_path / "j.jsonl"
+    async with Pool(workspace, journal=journal, config=_config(), changes="tracked") as pool:
+        made = await pool.call("write", {"path": "n.txt", "content": "n\n"})
+        assert made.images_sha256 is not None
+    # As an older sandbx-pool journaled it: no images_sha256 in the outcome record.
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    for line in lines:
+        line.pop("images_sha256", None)
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    async with Pool(workspace, journal=journal, config=_config()) as pool:
+        with pytest.raises(ValueError, match="no hash of its pre-images was journaled"):
+            await pool.undo(made.call_id)
+    assert (workspace / "n.txt").read_text() == "n\n"
