@@ -13,8 +13,14 @@
         an ``applying`` record, durable, comes first, the outcome (with ``changes``) after:
         a coordinator killed in between has the apply finished when the journal is reopened
         (finish_interrupted), from the kept upper directory and pre-images
+        the worker writes the change list to J.d/changes/<id>/report.json (read here: it may
+        be far longer than a Result), and answers what kept it from applying: a directory
+        swapped for a symlink (CONFLICT), a change set past max_change_paths or
+        max_change_bytes (CHANGE_SET_TOO_LARGE); protected paths are never applied
     undo(call_id) --> a worker puts back the pre-images the apply kept (J.d/objects), unless
-        a path is no longer what the call left (UndoConflict, naming the later call)
+        images.json or an object is not what the call's outcome journaled (images_sha256), or
+        a path is no longer what the call left (UndoConflict, naming the later call); a second
+        undo is a ValueError ("already undone")
 
 Applies and undos are one at a time (``ChangeSets.lock``): the conflict check and the apply it
 allows are one step, so two calls that changed one path cannot both pass it. The check is by
