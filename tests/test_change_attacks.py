@@ -11,6 +11,7 @@ which a user gets in a user namespace of its own where the kernel allows it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from conftest import marked_config
 
 from sandbx_pool import Config, Pool, Status, UndoConflict
 from sandbx_pool.config import DEFAULT_PROTECTED
+from sandbx_pool.workers import beneath
 
 pytestmark = pytest.mark.needs("overlayfs (tracked, transactional changes)")
 
@@ -346,3 +348,42 @@ async def test_a_change_set_journaled_without_its_hash_is_not_undone(
         with pytest.raises(ValueError, match="no hash of its pre-images was journaled"):
             await pool.undo(made.call_id)
     assert (workspace / "n.txt").read_text() == "n\n"
+
+
+@pytest.mark.parametrize("openat2", [True, False])
+def test_paths_beneath_follow_no_symlink_with_openat2_or_the_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, openat2: bool
+) -> None:
+    """What apply and undo reach their paths through (workers.beneath): openat2, or where the
+    kernel has none, the O_NOFOLLOW walk, which must refuse the same."""
+    if not openat2:
+        monkeypatch.setattr(beneath, "_openat2_works", False)
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "f").write_text("f\n")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret").write_text("s\n")
+    (root / "lnk").symlink_to(tmp_path / "outside")
+    (root / "file").write_text("x\n")
+    with beneath.Beneath(str(root)) as tree:
+        assert tree.lstat("d/f") is not None
+        assert tree.lstat("lnk/secret") is None  # below a symlink: not in the tree
+        assert tree.lstat("lnk") is not None
+        fd = tree.read_file("d/f")
+        os.close(fd)
+        for path in ("lnk/secret", "lnk", "../root/d/f"):
+            with pytest.raises(OSError, match=r"symbolic links|climbs") as raised:
+                os.close(tree.read_file(path))
+            assert raised.value.errno == errno.ELOOP, path
+        with pytest.raises(beneath.Swapped) as swapped:
+            tree.parent("lnk/secret")
+        assert swapped.value.path == "lnk"
+        with pytest.raises(beneath.Swapped) as swapped:
+            tree.parent("file/x")
+        assert swapped.value.path == "file"
+        dir_fd, name = tree.parent("d/f")
+        try:
+            assert name == "f"
+            assert os.stat(name, dir_fd=dir_fd).st_size == 2
+        finally:
+            os.close(dir_fd)

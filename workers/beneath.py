@@ -103,7 +103,14 @@ def _walk(dir_fd: int, rel: str, flags: int, mode: int) -> int:
     fd = os.dup(dir_fd)
     try:
         for name in names[:-1]:
-            child = os.open(name, _DIRECTORY | _PATH, dir_fd=fd)
+            try:
+                child = os.open(name, _DIRECTORY | _PATH, dir_fd=fd)
+            except NotADirectoryError:
+                # O_DIRECTORY's ENOTDIR comes before O_NOFOLLOW's ELOOP: say which, as
+                # openat2 does (a symlink on the way is ELOOP, a file ENOTDIR).
+                if stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), rel) from None
+                raise
             os.close(fd)
             fd = child
         return os.open(names[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
