@@ -92,11 +92,11 @@ async def test_a_tracked_apply_never_writes_through_a_directory_a_direct_call_sw
     (workspace / "d").mkdir()
     (workspace / "d" / "keep").write_text("keep\n")
     journal = tmp_path / "j.jsonl"
-    # The tracked call writes 20,000 files under big/ and then d/pre-commit: the apply stages
+    # The tracked call writes 10,000 files under big/ and then d/pre-commit: the apply stages
     # them in that order, so the direct call, which swaps d for a symlink to the hooks once the
     # first of big/'s temps appears, swaps it after the scan and before d/pre-commit is written.
     tracked = (
-        "mkdir big && seq 1 200000 | split -l 10 -a 5 - big/f"
+        "mkdir big && seq 1 100000 | split -l 10 -a 5 - big/f"
         f" && printf '%s' '{HOOK}' > d/pre-commit"
     )
     swapper = (
