@@ -174,6 +174,8 @@ class Pool:
         self._remains = Remains()
         self._remains.workers = self._workers.by_token
         self._change_sets: ChangeSets | None = None
+        #: J.d did not exist when the pool opened its journal (undo then says it is missing).
+        self._store_was_missing = False
         self._layers: Layers | None = None
         #: Shell sessions (sandbx_pool.sessions): restored from the journal at start.
         self._sessions = Sessions()
@@ -226,6 +228,11 @@ class Pool:
                 # Its writer's own synchronous stop (it flushes what is queued, then closes).
                 self._remains.stoppers.append(self.journal._writer.stop_at_exit)
                 self._hide_journal(self.journal.path)
+                # J.d (change sets, pre-images) made and hidden before the first call, whatever
+                # its mode: a call that reached it before the pool needed it (a direct bash
+                # with the journal in the workspace) could forge what a later undo writes.
+                self._store_was_missing = not self._store_exists()
+                self._changes_store()
                 self._sessions.restore(self.journal.sessions)
             if self._journal_path is None and self.journal is not None:
                 logger.info("journal: {}", self.journal.path)
@@ -645,7 +652,10 @@ class Pool:
                 else os.path.join(self._runtime_dir, "changes")
             )
             os.makedirs(root, mode=0o700, exist_ok=True)
-            self._change_sets = ChangeSets(root)
+            settings = self.config.workspace
+            self._change_sets = ChangeSets(
+                root, max_paths=settings.max_change_paths, max_bytes=settings.max_change_bytes
+            )
             hidden = (*self._sandbox.hidden, os.path.realpath(root))
             self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
         return self._change_sets
@@ -685,16 +695,19 @@ class Pool:
         """Put back every path a tracked or transactional call changed as it was before the
         call (content, mode, deleted files back, created ones gone); journaled. Returns the
         paths. Raises UndoConflict, changing nothing, when one of them was changed since (the
-        error names it and the later call); ValueError when the call has nothing to undo
-        (unknown, made in direct mode, its changes never applied, its pre-images gone)."""
+        error names it and the later call), or when its kept pre-images are not what was
+        journaled with its changes; ValueError when the call has nothing to undo (unknown,
+        made in direct mode, its changes never applied, already undone, its pre-images
+        gone)."""
         if self.state is not PoolState.OPEN:
             raise PoolClosed("the pool is not open")
         if self.journal is None:
             raise ValueError("undo needs the pool's journal: this pool has none")
-        if self._change_sets is None and not self._store_exists():
+        store = self._changes_store()
+        if self._store_was_missing and not os.path.isdir(store.call_dir(call_id)):  # noqa: ASYNC240 (J.d, the pool's own)
             await self.journal.flush()
             refuse_without_store(self.journal.path, call_id)
-        return await self._changes_store().undo(
+        return await store.undo(
             call_id, self.journal, self._internal, oldest_running=self._oldest_running()
         )
 

@@ -147,6 +147,21 @@ class ShellState(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 CHANGES_LISTED = "listed"
 
 
+class ChangeReport(msgspec.Struct, frozen=True):
+    """What a change set's apply did, path by path, written by its worker to a file in J.d
+    (out of band: 60,000 paths are past what a Result may carry, and an answer the output
+    limit cut would leave applied paths no outcome names): the change list as the outcome
+    carries it, and the paths not applied because they are protected. An undo's: the paths
+    it put back (``undone``), those it left because they are protected."""
+
+    changes: list[dict[str, Any]]
+    protected: list[str] = []
+    undone: list[str] = []
+
+
+change_report_decoder = msgspec.json.Decoder(ChangeReport)
+
+
 class Message(msgspec.Struct, tag=True, kw_only=True):
     v: int = PROTOCOL_VERSION
 

@@ -89,7 +89,7 @@ from sandbx_pool.workers.rules import (
     preload,
     within,
 )
-from sandbx_pool.workers.schemas import FOLLOW_NO_SYMLINKS
+from sandbx_pool.workers.schemas import CHANGE_ACTIONS, FOLLOW_NO_SYMLINKS
 
 
 class SandboxError(ToolError):
@@ -277,8 +277,12 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         if runs_programs:
             unmasked = not private and not keep_root
         else:
+            # A change set's apply or undo (CHANGE_ACTIONS) reads and writes the workspace for
+            # the coordinator, with J.d writable: it takes the layer always, so that nothing
+            # of root's secrets could ever be copied into J.d, whatever a path leads to.
             unmasked = box.view is None and (
                 not preloaded.can_mask
+                or call.tool in CHANGE_ACTIONS
                 or preloaded.holds_secrets(paths.real_workspace(ctx.workspace))
             )
         layer = preloaded.take_secrets_layer() if rulesets and unmasked else None
