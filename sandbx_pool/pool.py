@@ -64,6 +64,8 @@ from sandbx_pool.config import ChangeMode, Config, JournalPolicy, change_mode, l
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
+from sandbx_pool.images.image import Image
+from sandbx_pool.images.store import ImageStore
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
@@ -174,6 +176,7 @@ class Pool:
         self._remains.workers = self._workers.by_token
         self._change_sets: ChangeSets | None = None
         self._layers: Layers | None = None
+        self._images: ImageStore | None = None
         #: Shell sessions (sandbx_pool.sessions): restored from the journal at start.
         self._sessions = Sessions()
         #: The network proxy (sandbx_pool.proxy), started by the first allow-listed call.
@@ -603,6 +606,25 @@ class Pool:
         layer = await self._layer_set().named_by(workspace, configured)
         check_direct(layer, changes)
         return layer
+
+    # -- images (sandbx_pool.images) ------------------------------------------------------------
+
+    async def image(self, ref: str) -> Image:
+        """The image ``ref`` names (``oci:DIR[:TAG]``, ``oci-archive:FILE[:TAG]``,
+        ``docker-archive:FILE`` or ``[docker://]HOST[:PORT]/REPO[:TAG|@sha256:...]``), found in
+        the pool's image store (``[images] store``) or pulled into it, off the event loop.
+        ValueError for a malformed ``ref``, ImageError when it cannot be pulled."""
+        if self.state is not PoolState.OPEN:
+            raise PoolClosed("the pool is not open")
+        return await asyncio.to_thread(self.images().image, ref)
+
+    def images(self) -> ImageStore:
+        """The pool's image store (made on first use), out of every call's reach."""
+        if self._images is None:
+            self._images = ImageStore.from_config(self.config)
+            if self._sandbox is not None:
+                self._hide(self._images.root)
+        return self._images
 
     # -- change sets (sandbx_pool.changes) ----------------------------------------------------
 

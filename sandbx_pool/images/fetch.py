@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 from typing import Any
@@ -118,8 +119,15 @@ def run_copy(ref: ImageRef, layout: str, *, insecure: bool) -> None:
     except subprocess.TimeoutExpired:
         raise ImageError(f"{ref}: skopeo copy took over {COPY_TIMEOUT_S:.0f} s") from None
     if done.returncode != 0:
-        said = " ".join(done.stderr.decode(errors="replace").split())
-        raise ImageError(f"{ref}: skopeo copy failed: {said[-STDERR_TAIL:] or done.returncode}")
+        raise ImageError(f"{ref}: skopeo copy failed: {_last_words(done.stderr)}")
+
+
+def _last_words(stderr: bytes) -> str:
+    """skopeo's fatal message (it logs retries as warnings before it), on one line."""
+    text = stderr.decode(errors="replace")
+    match = re.search(r'level=fatal msg="((?:[^"\\]|\\.)*)"', text)
+    said = match[1].replace('\\"', '"') if match else " ".join(text.split())
+    return said[-STDERR_TAIL:] or "no message"
 
 
 def _blob_path(layout: str, digest: str) -> str:
