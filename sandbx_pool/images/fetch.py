@@ -90,7 +90,9 @@ def copy_command(ref: ImageRef, layout: str, *, insecure: bool) -> list[str]:
     user_policy = os.path.expanduser("~/.config/containers/policy.json")
     if not (os.path.exists(SYSTEM_POLICY) or os.path.exists(user_policy)):
         argv.append("--insecure-policy")
-    argv += ["copy", "--quiet", "--retry-times", "2"]
+    # Uncompressed layers stay so: skopeo would gzip them for an OCI layout, a new manifest
+    # and minutes of CPU for a docker-archive, whose layers are all plain tars.
+    argv += ["copy", "--quiet", "--retry-times", "2", "--dest-oci-accept-uncompressed-layers"]
     if ref.transport == "docker":
         if insecure:
             argv.append("--src-tls-verify=false")

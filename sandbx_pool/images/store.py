@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterable, Iterator
 
 import msgspec
@@ -190,7 +191,10 @@ class ImageStore:
             record = self._read_record(key)
             if record is None or not self._complete(record):
                 record = self._pull(parsed.canonical, key)
-            os.utime(self._path("images", f"{key}.json"))
+            # Its last use, at the clock's own resolution (a bare utime takes the kernel's
+            # coarse clock: two uses a millisecond apart would tie).
+            now = time.time_ns()
+            os.utime(self._path("images", f"{key}.json"), ns=(now, now))
             image = self._image_of(record)
         if self.max_size is not None:
             self._prune(self.max_size, keep={key})
