@@ -25,6 +25,7 @@ SECTIONS = (
     "layers",
     "sessions",
     "network",
+    "images",
 )
 
 
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         changes,
         cluster,
         hung,
+        images,
         latency,
         layers,
         network,
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.layers = layers.run(ws, samples=counts.layer_samples)
                 elif section == "sessions":
                     result.sessions = sessions.run(ws, calls=counts.sessions_calls)
+                elif section == "images":
+                    result.images = images.run(ws)
                 elif section == "network":
                     result.network = network.run(
                         ws, calls=counts.network_calls, downloads=counts.network_downloads

@@ -23,6 +23,8 @@ from bench.changes import MODES as CHANGE_MODES
 from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.hung import HungResult
 from bench.latency import LatencyResult
+from bench.images import ImagesResult
+from bench.images import render as images_table
 from bench.layers import BASE_FILES, CHANGED, LayersResult
 from bench.network import INDEX_NAME, NetworkResult
 from bench.network import MODES as NETWORK_MODES
@@ -57,6 +59,7 @@ class Report:
     oneshot: OneShotResult | None = None
     changes: ChangesResult | None = None
     layers: LayersResult | None = None
+    images: ImagesResult | None = None
     sessions: SessionsResult | None = None
     network: NetworkResult | None = None
     final_left: Leftovers | None = None
@@ -714,6 +717,8 @@ def render(report: Report) -> str:
         parts.append(_sessions(report.sessions))
     if report.network is not None:
         parts.append(network_table(report.network))
+    if report.images is not None:
+        parts.append(images_table(report.images))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

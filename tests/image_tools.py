@@ -64,7 +64,9 @@ def list_tree(root: str | Path, *, owners: bool = False) -> dict[str, Any]:
     return result
 
 
-def merged_tree(layer_dirs: tuple[str, ...], scratch: Path, *, owners: bool = False) -> dict[str, Any]:
+def merged_tree(
+    layer_dirs: tuple[str, ...], scratch: Path, *, owners: bool = False
+) -> dict[str, Any]:
     """The image as an overlay of its layers shows it (the mount a layer over an image makes:
     top layer first, ``userxattr``), in a mount namespace of its own (a user namespace too
     when not root), so nothing stays mounted."""
@@ -78,7 +80,7 @@ def merged_tree(layer_dirs: tuple[str, ...], scratch: Path, *, owners: bool = Fa
     target.mkdir(exist_ok=True)
     script = (
         f"mount -t overlay overlay -o lowerdir={':'.join(lowers)},userxattr {target}"
-        f" && exec {sys.executable} -c \"$LIST_TREE\" {target} {'1' if owners else '0'}"
+        f' && exec {sys.executable} -c "$LIST_TREE" {target} {"1" if owners else "0"}'
     )
     unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-Urm"]
     done = subprocess.run(

@@ -34,6 +34,15 @@ class Entry:
 
 
 @dataclass
+class Written:
+    """What ``write_layout`` wrote: the manifest's digest, the layers' blobs and diff_ids."""
+
+    digest: str
+    blobs: list[str]
+    diff_ids: list[str]
+
+
+@dataclass
 class Layer:
     entries: list[Entry] = field(default_factory=list)
     compression: str = "gzip"  # gzip | zstd | plain
@@ -93,7 +102,7 @@ def write_layout(
     env: tuple[str, ...] = ("PATH=/bin",),
     workdir: str = "/",
     diff_ids: list[str] | None = None,
-) -> dict[str, object]:
+) -> Written:
     """Add an image to the OCI layout at ``layout`` (made if needed) under ``tag``; returns
     what was written: ``digest`` (the manifest's), ``blobs``, ``diff_ids``."""
     layout.mkdir(parents=True, exist_ok=True)
@@ -103,7 +112,9 @@ def write_layout(
         tar = layer_tar(layer)
         found_diff_ids.append(_sha(tar))
         blob, media_type = compress(tar, layer.compression)
-        descriptors.append({"mediaType": media_type, "digest": _put(layout, blob), "size": len(blob)})
+        descriptors.append(
+            {"mediaType": media_type, "digest": _put(layout, blob), "size": len(blob)}
+        )
     config = {
         "architecture": "amd64",
         "os": "linux",
@@ -124,9 +135,15 @@ def write_layout(
     manifest_bytes = json.dumps(manifest).encode()
     digest = _put(layout, manifest_bytes)
     index_path = layout / "index.json"
-    index = json.loads(index_path.read_text()) if index_path.exists() else {"schemaVersion": 2, "manifests": []}
+    index = (
+        json.loads(index_path.read_text())
+        if index_path.exists()
+        else {"schemaVersion": 2, "manifests": []}
+    )
     index["manifests"] = [
-        m for m in index["manifests"] if m["annotations"]["org.opencontainers.image.ref.name"] != tag
+        m
+        for m in index["manifests"]
+        if m["annotations"]["org.opencontainers.image.ref.name"] != tag
     ] + [
         {
             "mediaType": manifest["mediaType"],
@@ -136,7 +153,7 @@ def write_layout(
         }
     ]
     index_path.write_text(json.dumps(index))
-    return {"digest": digest, "blobs": [d["digest"] for d in descriptors], "diff_ids": found_diff_ids}
+    return Written(digest, [str(d["digest"]) for d in descriptors], found_diff_ids)
 
 
 def busybox_layer(compression: str = "gzip") -> Layer:

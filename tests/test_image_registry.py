@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from helpers import wait_until_sync
 from image_tools import require
-from oci_images import Entry, Layer, write_layout
+from oci_images import Entry, Layer, Written, write_layout
 
 from sandbx_pool import Config, ImageError, ImageStore
 
@@ -122,13 +122,15 @@ def auth_registry(tmp_path: Path) -> Iterator[Registry]:
     yield from _start(tmp_path, auth=True)
 
 
-def _image(layout: Path, tag: str, own: bytes) -> dict[str, object]:
+def _image(layout: Path, tag: str, own: bytes) -> Written:
     base = Layer([Entry("base", "file", b"B" * (128 << 10))])
     return write_layout(layout, [base, Layer([Entry("own", "file", own)])], tag=tag)
 
 
 def _store(tmp_path: Path, registry: Registry) -> ImageStore:
-    config = Config().override(images={"store": str(tmp_path / "store"), "insecure": [registry.host]})
+    config = Config().override(
+        images={"store": str(tmp_path / "store"), "insecure": [registry.host]}
+    )
     return ImageStore.from_config(config)
 
 
@@ -139,10 +141,12 @@ def test_an_anonymous_pull_over_http_from_an_insecure_registry(
     ref = registry.push(tmp_path / "layout", "v1", "team/app")
     image = _store(tmp_path, registry).image(ref)
     assert image.ref == f"docker://{ref}"
-    assert list(image.layers) == written["diff_ids"]
+    assert list(image.layers) == written.diff_ids
     assert (Path(image.layer_dirs[1]) / "own").read_bytes() == b"one"
     # docker://, and a digest: the same image.
-    by_digest = _store(tmp_path, registry).image(f"docker://{registry.host}/team/app@{image.digest}")
+    by_digest = _store(tmp_path, registry).image(
+        f"docker://{registry.host}/team/app@{image.digest}"
+    )
     assert by_digest.layers == image.layers
 
 
@@ -152,7 +156,7 @@ def test_a_registry_not_listed_insecure_must_present_a_valid_certificate(
     _image(tmp_path / "layout", "v1", b"one")
     ref = registry.push(tmp_path / "layout", "v1", "app")
     store = ImageStore(tmp_path / "store")
-    with pytest.raises(ImageError, match="skopeo copy failed.*https://"):
+    with pytest.raises(ImageError, match=r"skopeo copy failed.*https://"):
         store.image(ref)
     assert list((Path(store.root) / "images").iterdir()) == []
 
@@ -169,8 +173,7 @@ def test_a_second_image_fetches_only_the_blobs_the_store_does_not_hold(
     before = len(registry.blob_gets())
     image = store.image(ref2)
     fetched = registry.blob_gets()[before:]
-    blobs1, blobs2 = first["blobs"], second["blobs"]
-    assert isinstance(blobs1, list) and isinstance(blobs2, list)
+    blobs1, blobs2 = first.blobs, second.blobs
     assert blobs2[0] == blobs1[0]  # the shared base
     assert blobs2[0] not in fetched
     assert blobs2[1] in fetched

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import wait_until_sync
 from image_tools import list_tree, merged_tree, require, umoci_tree
-from oci_images import Entry, Layer, busybox_layer, have_busybox, write_layout
+from oci_images import Entry, Layer, Written, busybox_layer, have_busybox, write_layout
 
 from sandbx_pool import ImageError, ImageStore
 
@@ -36,7 +36,7 @@ def _store_is_empty(store: ImageStore) -> None:
     assert list((root / "tmp").iterdir()) == []
 
 
-def _whiteout_image(layout: Path, compression: str = "gzip") -> dict[str, object]:
+def _whiteout_image(layout: Path, compression: str = "gzip") -> Written:
     base = Layer(
         [
             Entry("etc", "dir", mode=0o755),
@@ -84,8 +84,8 @@ def test_a_busybox_image_is_what_umoci_unpacks_and_its_layers_are_overlay_lowers
     )
     store = ImageStore(tmp_path / "store")
     image = store.image(f"oci:{layout}:latest")
-    assert image.digest == written["digest"]
-    assert list(image.layers) == written["diff_ids"]
+    assert image.digest == written.digest
+    assert list(image.layers) == written.diff_ids
     assert image.env == ("PATH=/bin", "A=1")
     assert image.workdir == "/tmp"
     assert image.size == Path("/bin/busybox").stat().st_size + len(b"NAME=busybox-test\n") + 3
@@ -191,7 +191,7 @@ def test_an_entry_landing_outside_its_layer_is_an_error_naming_it(
     with pytest.raises(ImageError) as caught:
         store.image(f"oci:{layout}")
     assert named in str(caught.value)
-    assert str(written["blobs"][1]) in str(caught.value)  # type: ignore[index]
+    assert written.blobs[1] in str(caught.value)
     assert list(outside.iterdir()) == []
     # The first layer was fine and stays (shared by whatever else has it); no image, no record.
     assert list((Path(store.root) / "images").iterdir()) == []
@@ -206,14 +206,14 @@ def test_a_layer_whose_tar_is_not_its_diff_id_is_refused_naming_the_blob(tmp_pat
     store = ImageStore(tmp_path / "store")
     with pytest.raises(ImageError, match="the config says sha256:0000") as caught:
         store.image(f"oci:{layout}")
-    assert str(written["blobs"][0]) in str(caught.value)  # type: ignore[index]
+    assert written.blobs[0] in str(caught.value)
     _store_is_empty(store)
 
 
 def test_a_corrupt_blob_is_refused_naming_it_and_nothing_is_stored(tmp_path: Path) -> None:
     layout = tmp_path / "layout"
     written = write_layout(layout, [Layer([Entry("a", "file", b"a" * 4096)], "plain")])
-    blob = str(written["blobs"][0])  # type: ignore[index]
+    blob = written.blobs[0]
     path = layout / "blobs" / "sha256" / blob.split(":")[1]
     data = bytearray(path.read_bytes())
     data[600] ^= 1
@@ -229,7 +229,7 @@ def test_a_corrupt_blob_of_the_stores_own_is_found_and_fetched_again(tmp_path: P
     # The store hands its blobs to skopeo, which takes them as they are: the store checks them.
     layout = tmp_path / "layout"
     written = write_layout(layout, [Layer([Entry("a", "file", b"a" * 4096)], "plain")])
-    blob, diff_id = str(written["blobs"][0]), str(written["diff_ids"][0])  # type: ignore[index]
+    blob, diff_id = written.blobs[0], written.diff_ids[0]
     store = ImageStore(tmp_path / "store")
     store.image(f"oci:{layout}")
     root = Path(store.root)
@@ -264,7 +264,7 @@ def _pull_in_child(store: Path, ref: str) -> subprocess.Popen[str]:
     )
 
 
-def _big_image(layout: Path) -> dict[str, object]:
+def _big_image(layout: Path) -> Written:
     # Plain layers of incompressible data: the pull lasts long enough to be killed midway.
     return write_layout(
         layout,

@@ -70,7 +70,13 @@ def _ls(args: argparse.Namespace, store: ImageStore) -> int:
     for stored in listed:
         image = stored.image
         age = max(0, int(now - stored.last_used))
-        used = f"{age // 86400}d" if age >= 86400 else f"{age // 3600}h" if age >= 3600 else f"{age // 60}m"
+        used = (
+            f"{age // 86400}d"
+            if age >= 86400
+            else f"{age // 3600}h"
+            if age >= 3600
+            else f"{age // 60}m"
+        )
         pinned = "  pinned" if stored.pinned else ""
         print(
             f"{image.ref}  {image.digest[:19]}  {len(image.layers)} layers  "
@@ -132,9 +138,7 @@ def add_image_parser(commands: Any) -> None:
     ls.add_argument("--json", action="store_true", help="print them as JSON")
     rm = actions.add_parser("rm", parents=[config], help="remove REF from the store")
     rm.add_argument("ref", metavar="REF")
-    prune = actions.add_parser(
-        "prune", parents=[config], help="evict least recently used images"
-    )
+    prune = actions.add_parser("prune", parents=[config], help="evict least recently used images")
     prune.add_argument(
         "--max-size", type=_size, default=0, metavar="SIZE",
         help="keep at most this much disk (bytes, or 20G; default 0: all but pinned images)",

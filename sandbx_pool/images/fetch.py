@@ -134,8 +134,10 @@ def _last_words(stderr: bytes) -> str:
 
 def _blob_path(layout: str, digest: str) -> str:
     algorithm, _, hexdigest = digest.partition(":")
-    if algorithm != "sha256" or len(hexdigest) != 64 or not all(
-        c in "0123456789abcdef" for c in hexdigest
+    if (
+        algorithm != "sha256"
+        or len(hexdigest) != 64
+        or not all(c in "0123456789abcdef" for c in hexdigest)
     ):
         raise ImageError(f"unsupported or malformed digest {digest!r}")
     return os.path.join(layout, "blobs", "sha256", hexdigest)

@@ -31,6 +31,7 @@ Every method blocks (skopeo, hashing, unpacking, deleting trees): the pool calls
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fcntl
 import hashlib
@@ -120,9 +121,7 @@ class ImageStore:
     def from_config(cls, config: Config) -> ImageStore:
         """The store ``[images]`` describes."""
         settings = config.images
-        return cls(
-            settings.store_dir(), max_size=settings.max_bytes(), insecure=settings.insecure
-        )
+        return cls(settings.store_dir(), max_size=settings.max_bytes(), insecure=settings.insecure)
 
     def __repr__(self) -> str:
         return f"<ImageStore {self.root} [max_size: {self.max_size}]>"
@@ -213,7 +212,7 @@ class ImageStore:
             fcntl.flock(fd, fcntl.LOCK_SH)
             return Pin(fd, self._image_of(record))
 
-    def list(self) -> list[StoredImage]:
+    def list(self) -> builtins.list[StoredImage]:
         """Every image of the store, the most recently used first."""
         with self._lock("lock", fcntl.LOCK_SH):
             listed = []
@@ -224,7 +223,9 @@ class ImageStore:
                 with contextlib.suppress(FileNotFoundError):
                     last = os.stat(self._path("images", f"{key}.json")).st_mtime
                     listed.append(
-                        StoredImage(image=image, last_used=last, disk=disk, pinned=self._pinned(key))
+                        StoredImage(
+                            image=image, last_used=last, disk=disk, pinned=self._pinned(key)
+                        )
                     )
         return sorted(listed, key=lambda s: -s.last_used)
 
@@ -265,7 +266,9 @@ class ImageStore:
             fetch.run_copy(parsed, layout, insecure=parsed.registry in self.insecure)
             fetched = fetch.read_layout(layout)
             sizes = []
-            for index, (blob, diff_id) in enumerate(zip(fetched.blobs, fetched.diff_ids)):
+            for index, (blob, diff_id) in enumerate(
+                zip(fetched.blobs, fetched.diff_ids, strict=True)
+            ):
                 sizes.append(self._ingest_layer(staging, index, layout, blob, diff_id, known))
             self._keep_blobs(layout, fetched, known)
             image = Image(
@@ -394,7 +397,7 @@ class ImageStore:
                 freed += more
             return Pruned(images=tuple(removed_images), layers=tuple(removed_layers), freed=freed)
 
-    def _collect(self) -> tuple[list[str], int]:
+    def _collect(self) -> tuple[builtins.list[str], int]:
         """Remove the layers and blobs no record names (called under the exclusive lock);
         their diff_ids and the bytes of disk freed."""
         layers: set[str] = set()

@@ -102,8 +102,8 @@ def _decompressed(path: str) -> Iterator[IO[bytes]]:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic[:2] == b"\x1f\x8b":
-        with gzip.open(path, "rb") as stream:
-            yield stream
+        with open(path, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+            yield stream  # type: ignore[misc]  # GzipFile is a binary stream; typeshed says no IO
         return
     if magic == b"\x28\xb5\x2f\xfd":
         try:
