@@ -22,9 +22,9 @@ from bench.changes import BIG_MIB, FILES, ChangesResult
 from bench.changes import MODES as CHANGE_MODES
 from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.hung import HungResult
-from bench.latency import LatencyResult
 from bench.images import ImagesResult
 from bench.images import render as images_table
+from bench.latency import LatencyResult
 from bench.layers import BASE_FILES, CHANGED, LayersResult
 from bench.network import INDEX_NAME, NetworkResult
 from bench.network import MODES as NETWORK_MODES

@@ -38,7 +38,9 @@ class Registry:
 
     def push(self, layout: Path, tag: str, repo: str) -> str:
         """Copy ``layout:tag`` to ``repo:tag`` here; the reference to pull it by."""
-        creds = ["--dest-creds", f"{self.user}:{self.password}"] if self.user else []
+        creds = (
+            ["--dest-creds", f"{self.user}:{self.password}"] if self.user else ["--dest-no-creds"]
+        )
         subprocess.run(
             ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", *creds,
              f"oci:{layout}:{tag}", f"docker://{self.host}/{repo}:{tag}"],

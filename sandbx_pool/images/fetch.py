@@ -17,7 +17,7 @@ What the store passes it:
 * ``--src-tls-verify=false`` for a registry listed in ``[images] insecure`` (a plain-HTTP
   registry, or one with a certificate the host does not trust), and for nothing else;
 * ``--authfile``: ``REGISTRY_AUTH_FILE`` when set, else ``~/.docker/config.json`` when it
-  exists (skopeo's own default is podman's ``$XDG_RUNTIME_DIR/containers/auth.json``);
+  exists, else podman's ``$XDG_RUNTIME_DIR/containers/auth.json`` when it exists, else none;
 * the host's signature policy (``/etc/containers/policy.json``) where there is one; where there
   is none (Debian's skopeo ships none) ``--insecure-policy``, which is what "no policy" means
   to docker: digests are still checked, signatures are not asked for.
@@ -77,8 +77,13 @@ def authfile() -> str | None:
     configured = os.environ.get("REGISTRY_AUTH_FILE")
     if configured:
         return configured
-    docker = os.path.expanduser("~/.docker/config.json")
-    return docker if os.path.isfile(docker) else None
+    for candidate in (
+        os.path.expanduser("~/.docker/config.json"),
+        os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/nonexistent", "containers/auth.json"),
+    ):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
 
 
 def copy_command(ref: ImageRef, layout: str, *, insecure: bool) -> list[str]:
@@ -96,9 +101,11 @@ def copy_command(ref: ImageRef, layout: str, *, insecure: bool) -> list[str]:
     if ref.transport == "docker":
         if insecure:
             argv.append("--src-tls-verify=false")
-        credentials = authfile()
-        if credentials:
-            argv += ["--authfile", credentials]
+        # Without a file of credentials, one that does not exist (read as none): left to
+        # itself, skopeo run without XDG_RUNTIME_DIR (cron, runuser, a batch job) opens
+        # /run/containers/<uid>/auth.json, which only root may, and fails the pull.
+        credentials = authfile() or os.path.join(layout, "no-credentials.json")
+        argv += ["--authfile", credentials]
     argv += [ref.source, f"oci:{layout}:{STAGED}"]
     return argv
 
