@@ -115,7 +115,14 @@ def run_copy(ref: ImageRef, layout: str, *, insecure: bool) -> None:
     ImageError with skopeo's last words when it fails."""
     argv = copy_command(ref, layout, insecure=insecure)
     if shutil.which("setpriv"):
-        argv = ["setpriv", "--pdeathsig", "KILL", "--", *argv]
+        # PDEATHSIG is set by setpriv after the fork: a puller killed before that would leave
+        # skopeo running, reparented. So the shell it then execs checks that its parent is
+        # still the puller before it execs skopeo (the signal is kept across both execs).
+        argv = [
+            "setpriv", "--pdeathsig", "KILL", "--",
+            "sh", "-c", 'test "$PPID" = "$1" || exit 111; shift; exec "$@"', "sh",
+            str(os.getpid()), *argv,
+        ]  # fmt: skip
     try:
         done = subprocess.run(
             argv,
