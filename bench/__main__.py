@@ -23,6 +23,7 @@ SECTIONS = (
     "oneshot",
     "changes",
     "layers",
+    "images_layer",
     "sessions",
     "network",
     "images",
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster,
         hung,
         images,
+        images_layer,
         latency,
         layers,
         network,
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.changes = changes.run(ws, calls=counts.changes_calls)
                 elif section == "layers":
                     result.layers = layers.run(ws, samples=counts.layer_samples)
+                elif section == "images_layer":
+                    result.images_layer = images_layer.run(ws, samples=counts.layer_samples)
                 elif section == "sessions":
                     result.sessions = sessions.run(ws, calls=counts.sessions_calls)
                 elif section == "images":

@@ -24,6 +24,8 @@ from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.hung import HungResult
 from bench.images import ImagesResult
 from bench.images import render as images_table
+from bench.images_layer import ImagesLayerResult
+from bench.images_layer import render as render_images_layer
 from bench.latency import LatencyResult
 from bench.layers import BASE_FILES, CHANGED, LayersResult
 from bench.network import INDEX_NAME, NetworkResult
@@ -60,6 +62,7 @@ class Report:
     changes: ChangesResult | None = None
     layers: LayersResult | None = None
     images: ImagesResult | None = None
+    images_layer: ImagesLayerResult | None = None
     sessions: SessionsResult | None = None
     network: NetworkResult | None = None
     final_left: Leftovers | None = None
@@ -713,6 +716,8 @@ def render(report: Report) -> str:
         parts.append(_changes(report.changes))
     if report.layers is not None:
         parts.append(_layers(report.layers))
+    if report.images_layer is not None:
+        parts.append(render_images_layer(report.images_layer, table, ms))
     if report.sessions is not None:
         parts.append(_sessions(report.sessions))
     if report.network is not None:

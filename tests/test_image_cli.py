@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import marked_config
 from image_tools import require
-from oci_images import Entry, Layer, write_layout
+from oci_images import Entry, Layer, busybox_layer, have_busybox, write_layout
 
-from sandbx_pool import Image, PoolClosed
+from sandbx_pool import Image, ImageStore, PoolClosed
 from sandbx_pool.images.refs import parse_ref
 from sandbx_pool.pool import Pool
 
@@ -162,3 +162,29 @@ def test_a_bad_images_setting_names_its_key(tmp_path: Path) -> None:
     done = _cli("ls", config=config)
     assert done.returncode == 2
     assert "images.max_size" in done.stderr
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+async def test_a_layer_over_a_pulled_image_runs_the_images_own_shell(tmp_path: Path) -> None:
+    require("skopeo", "skopeo")
+    if not have_busybox():
+        pytest.skip("no static busybox (Debian package busybox-static)")
+    layout = tmp_path / "layout"
+    write_layout(layout, [busybox_layer()], env=("PATH=/bin", "GREETING=from-the-image"))
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    config = marked_config(images={"store": str(tmp_path / "store")})
+    async with Pool(workspace, config=config) as pool:
+        # A reference: pulled, then pinned in the store while the pool is open.
+        ws = await pool.layer("sample", image=f"oci:{layout}")
+        outcome = await pool.call(
+            "bash", {"command": "cat /etc/os-release; echo $GREETING"}, workspace=ws
+        )
+        assert outcome.status == "ok", outcome.error
+        assert outcome.value is not None
+        assert outcome.value["stdout"] == "NAME=busybox-test\nfrom-the-image\n"
+        (stored,) = pool.images().list()
+        assert stored.pinned is True
+        assert pool.images().prune(0).images == ()
+        await ws.remove()
+    assert [s.pinned for s in ImageStore(tmp_path / "store").list()] == [False]

@@ -74,6 +74,10 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     network_allow: tuple[str, ...] | None = None
     #: The proxy's unix socket, where the worker registers its call's listening socket.
     proxy_socket: str | None = None
+    #: The view is a layer over a container image (workers.image_root): its root is the
+    #: overlay of the image's layers, entered with nothing of the host's bound in and left
+    #: writable (the layer takes the writes). With ``view`` only.
+    image: bool = False
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,6 +121,9 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: the confinement itself), and bash reports the state it leaves (``Result.session``).
     #: None: no session.
     session_env: dict[str, str] | None = None
+    #: A layer over a container image (sandbx_pool.layers): the image's unpacked layers in the
+    #: image store, bottom first, the overlay's lowers in place of ``layer_base`` (None then).
+    layer_image: tuple[str, ...] | None = None
 
 
 #: Most bytes of exported variables a shell session keeps (names and values, UTF-8); a call
