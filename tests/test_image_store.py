@@ -7,6 +7,7 @@ Runs as root and as an unprivileged user (.ci/environments): the store needs no 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -388,3 +389,70 @@ def test_a_malformed_reference_is_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="skopeo copy failed"):
         store.image(f"oci:{tmp_path / 'missing'}")
     _store_is_empty(store)
+
+
+# -- other sources ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["docker-archive", "oci-archive"])
+def test_docker_save_and_oci_archives_are_read_as_layouts_are(
+    tmp_path: Path, transport: str
+) -> None:
+    layout = tmp_path / "layout"
+    written = _whiteout_image(layout)
+    archive = tmp_path / "image.tar"
+    subprocess.run(
+        ["skopeo", "copy", "--quiet", f"oci:{layout}:latest", f"{transport}:{archive}"],
+        check=True,
+        capture_output=True,
+    )
+    store = ImageStore(tmp_path / "store")
+    image = store.image(f"{transport}:{archive}")
+    assert list(image.layers) == written.diff_ids
+    top = Path(image.layer_dirs[1])
+    assert os.getxattr(top / "opt/x", "user.overlay.opaque") == b"y"
+    # docker save's layers are plain tars: kept so, not gzipped again by skopeo.
+    assert image.size == ImageStore(tmp_path / "store2").image(f"oci:{layout}").size
+
+
+def test_a_manifest_list_gives_the_hosts_platform(tmp_path: Path) -> None:
+    from sandbx_pool.images.fetch import host_platform
+
+    here = host_platform().split("/")[1]
+    other = "arm64" if here != "arm64" else "amd64"
+    layout = tmp_path / "layout"
+    images = {
+        arch: write_layout(layout, [Layer([Entry("arch", "file", arch.encode())])], tag=arch)
+        for arch in (here, other)
+    }
+    index_path = layout / "index.json"
+    index = json.loads(index_path.read_text())
+    by_digest = {m["digest"]: m for m in index["manifests"]}
+    listed = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [
+            {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": images[arch].digest,
+                "size": by_digest[images[arch].digest]["size"],
+                "platform": {"architecture": arch, "os": "linux"},
+            }
+            for arch in (other, here)
+        ],
+    }
+    data = json.dumps(listed).encode()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256" / digest.split(":")[1]).write_bytes(data)
+    index["manifests"].append(
+        {
+            "mediaType": listed["mediaType"],
+            "digest": digest,
+            "size": len(data),
+            "annotations": {"org.opencontainers.image.ref.name": "multi"},
+        }
+    )
+    index_path.write_text(json.dumps(index))
+    image = ImageStore(tmp_path / "store").image(f"oci:{layout}:multi")
+    assert image.digest == images[here].digest
+    assert (Path(image.layer_dirs[0]) / "arch").read_text() == here
