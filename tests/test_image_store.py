@@ -214,6 +214,31 @@ def test_a_layer_whose_tar_is_not_its_diff_id_is_refused_naming_the_blob(tmp_pat
     _store_is_empty(store)
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated gzip"])
+def test_a_blob_that_is_no_tar_is_refused_naming_it(tmp_path: Path, damage: str) -> None:
+    layout = tmp_path / "layout"
+    written = write_layout(layout, [Layer([Entry("a", "file", os.urandom(8192))])])
+    blob = layout / "blobs" / "sha256" / written.blobs[0].split(":")[1]
+    data = b"not a tar at all" * 64 if damage == "garbage" else blob.read_bytes()[:4000]
+    # The blob matches its (rewritten) digest: only its content is wrong.
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    blob.unlink()
+    (blob.parent / digest.split(":")[1]).write_bytes(data)
+    for path in layout.joinpath("blobs", "sha256").iterdir():
+        text = path.read_bytes()
+        if written.blobs[0].encode() in text:
+            fixed = text.replace(written.blobs[0].encode(), digest.encode())
+            path.unlink()
+            new = "sha256:" + hashlib.sha256(fixed).hexdigest()
+            (path.parent / new.split(":")[1]).write_bytes(fixed)
+            index = layout / "index.json"
+            index.write_text(index.read_text().replace(f"sha256:{path.name}", new))
+    store = ImageStore(tmp_path / "store")
+    with pytest.raises(ImageError, match=f"layer blob {digest}"):
+        store.image(f"oci:{layout}")
+    _store_is_empty(store)
+
+
 def test_a_corrupt_blob_is_refused_naming_it_and_nothing_is_stored(tmp_path: Path) -> None:
     layout = tmp_path / "layout"
     written = write_layout(layout, [Layer([Entry("a", "file", b"a" * 4096)], "plain")])

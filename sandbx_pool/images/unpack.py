@@ -36,6 +36,7 @@ import os
 import stat
 import subprocess
 import tarfile
+import zlib
 from collections.abc import Iterator
 from typing import IO
 
@@ -136,10 +137,12 @@ def unpack_layer(blob: str, blob_digest: str, diff_id: str, target: str) -> Unpa
         try:
             unpacked = _Layer(target).extract(hashing, blob_digest)
             hashing.drain()
-        except (tarfile.TarError, EOFError, gzip.BadGzipFile, OSError) as exc:
-            if isinstance(exc, ImageError):
-                raise
+        except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
             raise ImageError(f"layer blob {blob_digest}: not a readable tar: {exc}") from exc
+        except ImageError:
+            raise
+        except OSError as exc:  # the store's disk (full, read-only), not the blob
+            raise ImageError(f"layer blob {blob_digest}: unpacking failed: {exc}") from exc
     found = f"sha256:{hashing.digest.hexdigest()}"
     if found != diff_id:
         raise ImageError(
@@ -257,7 +260,9 @@ class _Layer:
                 source = tar.extractfile(member)
                 assert source is not None
                 while chunk := source.read(CHUNK):
-                    os.write(fd, chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view) :]
                 self.size += member.size
                 self.disk += os.fstat(fd).st_blocks * 512
             finally:
