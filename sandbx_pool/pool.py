@@ -65,6 +65,7 @@ from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, Workers
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.images.image import Image
+from sandbx_pool.images.refs import parse_ref
 from sandbx_pool.images.store import ImageStore, Pin
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
@@ -616,10 +617,12 @@ class Pool:
     def _pin(self, image: Image) -> None:
         """Hold ``image``'s layers in the pool's store until the pool closes (an Image of
         another store is that store's to keep)."""
-        store = self.images()
-        inside = all(d.startswith(store.root + os.sep) for d in image.layer_dirs)
-        if inside and image.ref not in self._pins:
-            self._pins[image.ref] = store.pin(image)
+        root = self.config.images.store_dir()  # not the store itself: it would be made
+        if image.ref in self._pins or not all(
+            d.startswith(root + os.sep) for d in image.layer_dirs
+        ):
+            return
+        self._pins[image.ref] = self.images().pin(image)
 
     def _layer_set(self) -> Layers:
         if self._layers is None:
@@ -660,6 +663,7 @@ class Pool:
         ValueError for a malformed ``ref``, ImageError when it cannot be pulled."""
         if self.state is not PoolState.OPEN:
             raise PoolClosed("the pool is not open")
+        parse_ref(ref)  # a malformed one is refused before the store is made
         return await asyncio.to_thread(self.images().image, ref)
 
     def images(self) -> ImageStore:
