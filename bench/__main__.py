@@ -27,6 +27,7 @@ SECTIONS = (
     "sessions",
     "network",
     "trajectory",
+    "images",
 )
 
 
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         changes,
         cluster,
         hung,
+        images,
         images_layer,
         latency,
         layers,
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.images_layer = images_layer.run(ws, samples=counts.layer_samples)
                 elif section == "sessions":
                     result.sessions = sessions.run(ws, calls=counts.sessions_calls)
+                elif section == "images":
+                    result.images = images.run(ws)
                 elif section == "network":
                     result.network = network.run(
                         ws, calls=counts.network_calls, downloads=counts.network_downloads

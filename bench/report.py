@@ -22,6 +22,8 @@ from bench.changes import BIG_MIB, FILES, ChangesResult
 from bench.changes import MODES as CHANGE_MODES
 from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.hung import HungResult
+from bench.images import ImagesResult
+from bench.images import render as images_table
 from bench.images_layer import ImagesLayerResult
 from bench.images_layer import render as render_images_layer
 from bench.latency import LatencyResult
@@ -62,6 +64,7 @@ class Report:
     oneshot: OneShotResult | None = None
     changes: ChangesResult | None = None
     layers: LayersResult | None = None
+    images: ImagesResult | None = None
     images_layer: ImagesLayerResult | None = None
     sessions: SessionsResult | None = None
     network: NetworkResult | None = None
@@ -734,6 +737,8 @@ def render(report: Report) -> str:
         parts.append(network_table(report.network))
     if report.trajectory is not None:
         parts.append(executors_report.trajectory_section(report.trajectory))
+    if report.images is not None:
+        parts.append(images_table(report.images))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from sandbx_pool.config import Config, JournalPolicy, load_config
     from sandbx_pool.errors import (
         ConfigError,
+        ImageError,
         JournalError,
         JournalLocked,
         LayerUnavailable,
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
         TemplateLost,
         UndoConflict,
     )
+    from sandbx_pool.images.image import Image
+    from sandbx_pool.images.store import ImageStore
     from sandbx_pool.layers import Layer
     from sandbx_pool.outcome import KilledBy, Outcome, Status
     from sandbx_pool.output import OutputChunk
@@ -51,6 +54,9 @@ _HOMES = {
     "JournalPolicy": "sandbx_pool.config",
     "load_config": "sandbx_pool.config",
     "ConfigError": "sandbx_pool.errors",
+    "ImageError": "sandbx_pool.errors",
+    "Image": "sandbx_pool.images.image",
+    "ImageStore": "sandbx_pool.images.store",
     "JournalError": "sandbx_pool.errors",
     "JournalLocked": "sandbx_pool.errors",
     "LayerUnavailable": "sandbx_pool.errors",
@@ -74,6 +80,9 @@ __all__ = [
     "CancelToken",
     "Config",
     "ConfigError",
+    "Image",
+    "ImageError",
+    "ImageStore",
     "JournalError",
     "JournalLocked",
     "JournalPolicy",

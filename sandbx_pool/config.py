@@ -305,6 +305,50 @@ class SandboxSettings(_Section):
         )
 
 
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an integer or ``"20G"``/``"512MiB"``/``"1.5T"`` (powers of 1024); ValueError
+    naming the value otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT:
+        return value
+    match = _SIZE.fullmatch(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(f"{value!r} is not a size (bytes, or a number with K, M, G or T)")
+    scale = 1024 ** " KMGT".index(match[2].upper() or " ")
+    return min(int(float(match[1]) * scale), MAX_INT)
+
+
+class ImageSettings(_Section):
+    """Container images (sandbx_pool.images): where they are stored, how large the store may
+    grow, which registries are reached without TLS verification."""
+
+    #: The image store: "" is $XDG_DATA_HOME/sandbx-pool/images (~/.local/share/...).
+    store: str = ""
+    #: Past this (bytes, or "20G"), the least recently used images' layers are evicted after a
+    #: pull; never those of an image a layer uses. None: never.
+    max_size: int | str | None = None
+    #: ``HOST:PORT`` of registries pulled from over plain HTTP or an untrusted certificate.
+    insecure: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_size is not None:
+            try:
+                self.max_size = parse_size(self.max_size)
+            except ValueError as exc:
+                raise ValueError(f"max_size: {exc}") from None
+
+    def store_dir(self) -> str:
+        if self.store:
+            return os.path.abspath(os.path.expanduser(self.store))
+        data = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+        return os.path.join(os.path.abspath(data), "sandbx-pool", "images")
+
+    def max_bytes(self) -> int | None:
+        return None if self.max_size is None else parse_size(self.max_size)
+
+
 class Config(_Section):
     pool: PoolSettings = msgspec.field(default_factory=PoolSettings)
     calls: CallSettings = msgspec.field(default_factory=CallSettings)
@@ -315,6 +359,7 @@ class Config(_Section):
     sandbox: SandboxSettings = msgspec.field(default_factory=SandboxSettings)
     workspace: WorkspaceSettings = msgspec.field(default_factory=WorkspaceSettings)
     telemetry: TelemetrySettings = msgspec.field(default_factory=TelemetrySettings)
+    images: ImageSettings = msgspec.field(default_factory=ImageSettings)
 
     def workers(self) -> int:
         if self.pool.workers is not None:

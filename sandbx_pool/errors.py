@@ -49,3 +49,10 @@ class UndoConflict(SandbxPoolError):
         super().__init__(message)
         self.path = path
         self.later_call = later_call
+
+
+class ImageError(SandbxPoolError):
+    """An image could not be pulled or stored: skopeo's failure, a blob that does not match its
+    digest, a layer entry that would land outside its layer, a reference the store does not
+    hold. The message is one line naming the reference, the blob or the entry; nothing of the
+    image is left half-stored."""

@@ -65,6 +65,8 @@ from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, Workers
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.images.image import Image
+from sandbx_pool.images.refs import parse_ref
+from sandbx_pool.images.store import ImageStore, Pin
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
@@ -177,6 +179,9 @@ class Pool:
         #: J.d did not exist when the pool opened its journal (undo then says it is missing).
         self._store_was_missing = False
         self._layers: Layers | None = None
+        self._images: ImageStore | None = None
+        #: The images of open layers, by ref: the store evicts none of them (images/store.py).
+        self._pins: dict[str, Pin] = {}
         #: Shell sessions (sandbx_pool.sessions): restored from the journal at start.
         self._sessions = Sessions()
         #: The network proxy (sandbx_pool.proxy), started by the first allow-listed call.
@@ -373,6 +378,8 @@ class Pool:
         self._inbox.close()
         if self._layers is not None:
             self._layers.close()
+        for pin in self._pins.values():
+            pin.unpin()
         if self._proxy is not None:
             self._proxy.stop()
         if self.journal is not None:
@@ -593,20 +600,36 @@ class Pool:
         name: str,
         base: str | os.PathLike[str] | None = None,
         *,
-        image: Image | None = None,
+        image: Image | str | None = None,
     ) -> Layer:
         """The layer ``name`` of the pool's layer store (``[workspace] layers``): made over
         ``base`` (a directory, never written: every call in the layer sees it plus the layer's
         own changes), or over ``image`` (an Image of the store, ``pool.image(ref)``: every
         call in the layer sees the image as its ``/``, plus the layer's changes; see
-        sandbx_pool.image_layer), or, without either, opened as a pool made it before.
+        sandbx_pool.image_layer; a reference is pulled first, as by ``pool.image``; an image
+        of the pool's store stays pinned there, never evicted, until the pool closes), or,
+        without either, opened as a pool made it before.
         ValueError for a name that is not plain, a base that is not a directory, lies in the
         store (or holds it) or is not the one recorded, an image that is not the recorded
         one; LayerUnavailable where no overlay mounts, or the image's layers do not."""
         if self.state is not PoolState.OPEN:
             raise PoolClosed("the pool is not open")
         path = os.fspath(base) if base is not None else None
+        if isinstance(image, str):
+            image = await self.image(image)
+        if isinstance(image, Image):  # anything else: image_layer.check says what is wrong
+            await asyncio.to_thread(self._pin, image)
         return await self._layer_set().open(name, path, image)
+
+    def _pin(self, image: Image) -> None:
+        """Hold ``image``'s layers in the pool's store until the pool closes (an Image of
+        another store is that store's to keep)."""
+        root = self.config.images.store_dir()  # not the store itself: it would be made
+        if image.ref in self._pins or not all(
+            d.startswith(root + os.sep) for d in image.layer_dirs
+        ):
+            return
+        self._pins[image.ref] = self.images().pin(image)
 
     def _layer_set(self) -> Layers:
         if self._layers is None:
@@ -637,6 +660,26 @@ class Pool:
         layer = await self._layer_set().named_by(workspace, configured)
         check_direct(layer, changes)
         return layer
+
+    # -- images (sandbx_pool.images) ------------------------------------------------------------
+
+    async def image(self, ref: str) -> Image:
+        """The image ``ref`` names (``oci:DIR[:TAG]``, ``oci-archive:FILE[:TAG]``,
+        ``docker-archive:FILE`` or ``[docker://]HOST[:PORT]/REPO[:TAG|@sha256:...]``), found in
+        the pool's image store (``[images] store``) or pulled into it, off the event loop.
+        ValueError for a malformed ``ref``, ImageError when it cannot be pulled."""
+        if self.state is not PoolState.OPEN:
+            raise PoolClosed("the pool is not open")
+        parse_ref(ref)  # a malformed one is refused before the store is made
+        return await asyncio.to_thread(self.images().image, ref)
+
+    def images(self) -> ImageStore:
+        """The pool's image store (made on first use), out of every call's reach."""
+        if self._images is None:
+            self._images = ImageStore.from_config(self.config)
+            if self._sandbox is not None:
+                self._hide(self._images.root)
+        return self._images
 
     # -- change sets (sandbx_pool.changes) ----------------------------------------------------
 

@@ -319,7 +319,10 @@ async def test_fork_persists_and_refuses_another_image(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="changes='tracked'"):
             await pool.call("ls", {}, workspace=ws, changes="tracked")
         with pytest.raises(TypeError, match="must be an Image"):
-            await pool.layer("new", image="busybox:latest")  # type: ignore[arg-type]
+            await pool.layer("new", image=42)  # type: ignore[arg-type]
+        # A reference is pulled (pool.image): a malformed one is a ValueError, nothing made.
+        with pytest.raises(ValueError, match="not a repository name"):
+            await pool.layer("new", image="Not A Ref")
         await branches[2].remove()
     # Another pool opens the layer from its record alone: the image is found there.
     async with Pool(tmp_path / "ws", config=_config(tmp_path)) as pool:

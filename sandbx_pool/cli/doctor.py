@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from sandbx_pool.cli.doctor_probes import DIRECT, ENTERED, OFF, REFUSED, ROOT, run_child_probes
+from sandbx_pool.config import ImageSettings
 from sandbx_pool.interpreter import PACKAGE_PARENT
 from sandbx_pool.timeline.browser import find_chromium
 from sandbx_pool.workers import (
@@ -247,7 +248,31 @@ def user_namespaces_check(found: str, why: str) -> Check:
     )
 
 
-def diagnose(*, user_namespaces: bool = True) -> list[Check]:
+def images_check(overlay_mounts: bool, store: str) -> Check:
+    """Whether images run here: skopeo to pull, a store we can write (with user xattrs, for
+    opaque directories), and an overlay with ``userxattr`` for a layer over an image."""
+    missing = []
+    if shutil.which("skopeo") is None:
+        missing.append("no skopeo to pull with (Debian: skopeo)")
+    where = store
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        with tempfile.NamedTemporaryFile(dir=where, prefix=".sandbx-doctor-") as probe:
+            os.setxattr(probe.name, "user.overlay.opaque", b"y")
+    except OSError as exc:
+        missing.append(f"the store {store} is not writable with user xattrs ({exc.strerror})")
+    if not overlay_mounts:
+        missing.append("no overlay mounts here (with userxattr): no layer over an image")
+    return Check(
+        "container images",
+        not missing,
+        f"skopeo pulls into {store}; a layer over an image mounts its layers as an overlay",
+        "; ".join(missing),
+    )
+
+
+def diagnose(*, user_namespaces: bool = True, image_store: str | None = None) -> list[Check]:
     """The checks, as a pool of ``[sandbox] user_namespaces`` would meet them here."""
     python = f"{sys.implementation.name} {sys.version.split()[0]}"
     child = run_child_probes(user_namespaces=user_namespaces)
@@ -422,6 +447,7 @@ def diagnose(*, user_namespaces: bool = True) -> list[Check]:
             fuse_detail,
             f"{fuse_detail}: the hung-filesystem tests skip (and fail under CI=true)",
         ),
+        images_check(bool(child.get("overlay")), image_store or ImageSettings().store_dir()),
         _chromium_check(),
         _otel_check(),
     ]
@@ -467,12 +493,14 @@ def report(checks: list[Check]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    user_namespaces = True
+    user_namespaces, image_store = True, None
     if args.config is not None:
         from sandbx_pool.config import load_config
 
-        user_namespaces = load_config(args.config).sandbox.user_namespaces
-    checks = diagnose(user_namespaces=user_namespaces)
+        config = load_config(args.config)
+        user_namespaces = config.sandbox.user_namespaces
+        image_store = config.images.store_dir()
+    checks = diagnose(user_namespaces=user_namespaces, image_store=image_store)
     if args.json:
         print(json.dumps(msgspec.to_builtins(checks), indent=2))
     else:

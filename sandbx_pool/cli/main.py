@@ -1,4 +1,4 @@
-"""The ``sandbx-pool`` command: call, run, demo, tools, schema, journal, undo, mcp."""
+"""The ``sandbx-pool`` command: call, run, demo, tools, schema, journal, undo, mcp, image."""
 
 from __future__ import annotations
 
@@ -197,6 +197,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from sandbx_pool.cli.batch import add_batch_parsers
+    from sandbx_pool.cli.image import add_image_parser
     from sandbx_pool.cli.journal import add_journal_parser
     from sandbx_pool.tool_definitions import STYLES
     from sandbx_pool.workers.schemas import TOOL_ARGS
@@ -257,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_parsers(commands)
     add_journal_parser(commands)
+    add_image_parser(commands)
     undo = commands.add_parser("undo", help="put back what a tracked or transactional call changed")
     undo.add_argument("call_id", metavar="CALL_ID")
     undo.add_argument("--journal", required=True, metavar="PATH", help="the call's journal")
