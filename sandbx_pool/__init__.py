@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         PoolClosed,
         PoolNotStarted,
         SandbxPoolError,
+        ServiceNotRunning,
         TemplateLost,
         UndoConflict,
     )
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from sandbx_pool.outcome import KilledBy, Outcome, Status
     from sandbx_pool.output import OutputChunk
     from sandbx_pool.pool import Pool, PoolState
+    from sandbx_pool.services import Service, ServiceStatus
     from sandbx_pool.workers.protocol import Limits
     from sandbx_pool.workers.schemas import tool_schemas
 
@@ -57,6 +59,7 @@ _HOMES = {
     "PoolClosed": "sandbx_pool.errors",
     "PoolNotStarted": "sandbx_pool.errors",
     "SandbxPoolError": "sandbx_pool.errors",
+    "ServiceNotRunning": "sandbx_pool.errors",
     "TemplateLost": "sandbx_pool.errors",
     "UndoConflict": "sandbx_pool.errors",
     "Layer": "sandbx_pool.layers",
@@ -66,6 +69,8 @@ _HOMES = {
     "OutputChunk": "sandbx_pool.output",
     "Pool": "sandbx_pool.pool",
     "PoolState": "sandbx_pool.pool",
+    "Service": "sandbx_pool.services",
+    "ServiceStatus": "sandbx_pool.services",
     "Limits": "sandbx_pool.workers.protocol",
     "tool_schemas": "sandbx_pool.workers.schemas",
 }
@@ -88,6 +93,9 @@ __all__ = [
     "PoolNotStarted",
     "PoolState",
     "SandbxPoolError",
+    "Service",
+    "ServiceNotRunning",
+    "ServiceStatus",
     "Status",
     "TemplateLost",
     "UndoConflict",

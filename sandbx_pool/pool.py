@@ -94,6 +94,7 @@ from sandbx_pool.scheduling_actions import (
     Signal,
     Watch,
 )
+from sandbx_pool.services import Service, Services, start_service
 from sandbx_pool.sessions import Sessions, check_id
 from sandbx_pool.telemetry import Telemetry, open_telemetry
 from sandbx_pool.template_handle import TemplateHandle
@@ -176,6 +177,8 @@ class Pool:
         self._layers: Layers | None = None
         #: Shell sessions (sandbx_pool.sessions): restored from the journal at start.
         self._sessions = Sessions()
+        #: Services (sandbx_pool.services): calls that run until stopped, by name.
+        self._services = Services()
         #: The network proxy (sandbx_pool.proxy), started by the first allow-listed call.
         self._proxy: ProxyHandle | None = None
         self._finalizer = weakref.finalize(self, release, self._remains)
@@ -474,6 +477,7 @@ class Pool:
             call.layer_dir, call.layer_base = layer.directory, layer.base
             call.layer_mount = layer_mount
         call.network = own_network
+        call.join_network = self._services.network_of(session)
         run: Callable[[], Awaitable[Outcome]] = partial(self._run, call)
         release = None
         if session is not None:  # before the token: a refused reservation subscribes nothing
@@ -509,7 +513,67 @@ class Pool:
         """Forget a session: its id's next call starts afresh (the journal keeps its history,
         and a pool opened on it later restores the state its last call left). False if the
         pool held no such session."""
-        return self._sessions.forget(session_id)
+        stopped = self._services.stop_session(check_id(session_id))
+        return self._sessions.forget(session_id) or bool(stopped)
+
+    # -- services (sandbx_pool.services) ---------------------------------------------------------
+
+    async def service(
+        self,
+        name: str,
+        command: str,
+        *,
+        session: str | None = None,
+        workspace: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        tty: bool = False,
+        network: bool | None = None,
+    ) -> Service:
+        """Start ``command`` (bash -c) as the service ``name`` and return it once it runs
+        (or has failed to: ``svc.outcome`` says why). Confined, limited and journaled as a
+        bash call, with no timeout: it runs until it exits, ``await svc.stop()``, its
+        session ends (``end_session``) or the pool closes. ``session``: it starts in the
+        session's cwd with its exports and belongs to it; with ``network`` false the
+        session's later calls join its network namespace (sandbx_pool.services). ``tty``: a
+        pseudo-terminal for its stdin, stdout and stderr. A bad or running name, or a network
+        allow-list, is a ValueError."""
+        if self.state is not PoolState.OPEN:
+            raise PoolClosed("the pool is not open")
+        service = await start_service(
+            self,
+            self._services,
+            self._launch,
+            self._inbox.send,
+            name,
+            command,
+            call_id=f"{self._id_prefix}-{next(self._ids)}",
+            session=session,
+            workspace=workspace,
+            cwd=cwd,
+            env=env,
+            tty=tty,
+            network=network,
+            session_state=self.session,
+        )
+        return service
+
+    def services(self) -> list[Service]:
+        """The pool's services, running and ended, in the order they were started."""
+        return list(self._services)
+
+    def _launch(self, call: CallState) -> asyncio.Task[Outcome]:
+        """Drive ``call`` as call() does, for a caller that keeps its task (a service): in
+        flight until it ends, so close() kills it as any call. It takes no call's slot."""
+        self.admit(self.max_workers + 1)
+        run = partial(self._run, call)
+        driver = asyncio.create_task(call.drive(self.journal, run, self.telemetry))
+        driver.set_name(call.call_id)
+        self._drivers.add(driver)
+        driver.add_done_callback(self._drivers.discard)
+        self._calls[call.call_id] = call
+        driver.add_done_callback(lambda _: self._calls.pop(call.call_id, None))
+        return driver
 
     # -- one call on this machine (its life around it: call_life) -----------------------------
 

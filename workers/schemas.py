@@ -246,6 +246,22 @@ class LayerDiffArgs(ToolArgs):
     upper: str
 
 
+class ServiceArgs(ToolArgs):
+    """Internal: a long-lived ``bash -c COMMAND`` (sandbx_pool.services): output streamed,
+    stdin (or a terminal) fed by the coordinator, no result until it ends."""
+
+    command: str
+    tty: bool = False
+    cols: int = 80
+    rows: int = 24
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("give command")
+        if not (0 < self.cols < 65536 and 0 < self.rows < 65536):
+            raise ValueError("cols and rows must be from 1 to 65535")
+
+
 #: Actions only the coordinator asks for (journal recovery, change sets); no caller can name
 #: them.
 INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {
@@ -254,6 +270,7 @@ INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "_undo_changes": UndoChangesArgs,
     "_layer_open": LayerOpenArgs,
     "_layer_diff": LayerDiffArgs,
+    "_service": ServiceArgs,
 }
 
 #: Tools whose effects outlive the call: their journal intent is made durable before they run.
@@ -262,7 +279,7 @@ SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash"})
 #: Tools that start programs. Only these get the confinement steps that bound what an exec'd
 #: program can do (workers.sandbox.confine), and a SIGTERM and grace period before SIGKILL
 #: when they are stopped: the others run only our own code, which holds nothing to clean up.
-RUNS_PROGRAMS = frozenset({"bash", "grep"})
+RUNS_PROGRAMS = frozenset({"bash", "grep", "_service"})
 
 #: Tools that run a program (rg) which must follow no symlink in the workspace, whatever a
 #: parallel call swaps in: their mount namespace binds it with symlinks refused

@@ -93,6 +93,16 @@ class OutputSink:
                     self.broken = True
         self._last_flush = time.monotonic()
 
+    def mark_started(self) -> None:
+        """Tell the coordinator the command runs, confined (a service: workers.tools.service):
+        an Output on ``stderr`` with nothing in it, which no command's output can be (a
+        service's stdout and stderr share ``stdout``)."""
+        message = Output(call_id=self._call_id, stream="stderr", data="", secret=self._secret)
+        try:
+            self._send(encoder.encode(message))
+        except OSError:
+            self.broken = True
+
 
 #: This worker's sink, when its call asked for streaming (set by runtime.serve).
 current: OutputSink | None = None
