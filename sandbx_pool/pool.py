@@ -555,8 +555,12 @@ class Pool:
             tty=tty,
             network=network,
             session_state=self.session,
+            shared_network=self.views and not self._template_in_user_namespaces(),
         )
         return service
+
+    def _template_in_user_namespaces(self) -> bool:
+        return self._template is not None and self._template.user_namespaces
 
     def services(self) -> list[Service]:
         """The pool's services, running and ended, in the order they were started."""

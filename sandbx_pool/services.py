@@ -92,9 +92,13 @@ class _Transcript:
         self.omitted = 0
 
     def add(self, data: bytes, dropped: int = 0) -> None:
-        if dropped:
-            self.total += dropped
-            self.omitted += dropped
+        """``data``, then a gap of ``dropped`` bytes (the worker's sink keeps the first bytes
+        of an interval and counts the rest; a service's drops none unless its sink broke)."""
+        self._add(data)
+        self.total += dropped
+        self.omitted += dropped
+
+    def _add(self, data: bytes) -> None:
         if not data:
             return
         if self.total == len(self.head) and len(self.head) < self.head_cap:
@@ -395,8 +399,11 @@ async def start_service(
     tty: bool,
     network: object,
     session_state: Callable[[str], Awaitable[dict[str, Any]]],
+    shared_network: bool,
 ) -> Service:
-    """Start ``command`` as the service ``name`` (Pool.service documents the arguments)."""
+    """Start ``command`` as the service ``name`` (Pool.service documents the arguments).
+    ``shared_network``: whether the pool's workers can join one another's network namespace
+    (a root pool's: each has a PID and network namespace of its own, no user namespace)."""
     services.check_name(name)
     if not isinstance(command, str) or not command:
         raise ValueError("command must be a non-empty str")
@@ -430,6 +437,12 @@ async def start_service(
         own_network is None and pool.config.sandbox.network is not True
     )
     call.loopback = True
+    if offline and session is not None and not shared_network:
+        raise ValueError(
+            "a session's service with network = false needs a pool whose workers can share a"
+            " network namespace (root with CAP_SYS_ADMIN); this pool's cannot (sandbx-pool"
+            " doctor): start it without a session, or with network = true"
+        )
     if offline and session is not None:
         call.join_network = services.network_of(session)  # a second offline service joins
     service = Service(name, session, call, send)

@@ -60,6 +60,10 @@ class OutputSink:
             data = data[:room]
         pending += data
 
+    def room(self, stream: Stream) -> int:
+        """Bytes of ``stream`` the sink takes before its next flush without dropping any."""
+        return CHUNK_BYTES - len(self._pending[stream])
+
     def due_in(self) -> float | None:
         """Seconds until a flush is due (0: now); None when nothing waits."""
         if not any(self._pending.values()) and not any(self._dropped.values()):

@@ -171,10 +171,10 @@ class _Command:
             with contextlib.suppress(OSError):
                 _set_size(self.output_fd, cols, rows)
 
-    def read(self) -> bytes:
+    def read(self, size: int) -> bytes:
         """What the command wrote; b"" at the end (a pty's master says EIO then)."""
         try:
-            return os.read(self.output_fd, _READ_BYTES)
+            return os.read(self.output_fd, size)
         except OSError as exc:
             if exc.errno == errno.EIO:
                 return b""
@@ -229,16 +229,26 @@ def run_service(args: ServiceArgs, ctx: ExecutionContext) -> dict[str, Any]:
         sink.mark_started()
     try:
         with selectors.DefaultSelector() as selector:
-            selector.register(command.output_fd, selectors.EVENT_READ, "output")
             selector.register(pidfd, selectors.EVENT_READ, "exit")
             if stop is not None:
                 selector.register(stop, selectors.EVENT_READ, "stop")
             if channel is not None:
                 selector.register(channel, selectors.EVENT_READ, "input")
+            running, output_open, reading = True, True, False
             writing: int | None = None  # the input end, while input waits for it
             # Until bash has exited and the output is at its end: a server that sends its
             # output to a file closes our pipe long before it ends.
-            while {"output", "exit"} & {key.data for key in selector.get_map().values()}:
+            while running or output_open:
+                # Read only what the sink can send: a command that writes faster than its
+                # output is paced waits on a full pipe, as on a slow terminal, and nothing
+                # is dropped (so the last lines it wrote are the transcript's tail).
+                room = _READ_BYTES if sink is None or sink.broken else sink.room("stdout")
+                if output_open and bool(room) != reading:
+                    if reading:
+                        selector.unregister(command.output_fd)
+                    else:
+                        selector.register(command.output_fd, selectors.EVENT_READ, "output")
+                    reading = not reading
                 for key, _ in selector.select(_wait_s(sink, stop, ctx.grace_s)):
                     if key.data == "stop":
                         selector.unregister(key.fileobj)
@@ -246,17 +256,17 @@ def run_service(args: ServiceArgs, ctx: ExecutionContext) -> dict[str, Any]:
                         selector.unregister(pidfd)
                         command.proc.wait()  # before kill_descendants() reaps its status
                         kill_descendants()
+                        running = False
                     elif key.data == "input":
                         assert channel is not None
                         if not _receive(command, channel):
                             selector.unregister(channel)
                             command.stop()
-                    elif key.data == "write":
-                        pass  # fed below
-                    else:
-                        data = command.read()
+                    elif key.data == "output":
+                        data = command.read(room)
                         if not data:
                             selector.unregister(command.output_fd)
+                            output_open = reading = False
                         elif sink is not None:
                             sink.add("stdout", data)
                 if writing is not None:  # out of the selector before feed() may close it
