@@ -268,19 +268,24 @@ KILLED_COORDINATOR = """
 """
 
 
+def _coordinator(script: str, *args: str) -> subprocess.Popen[str]:
+    """``script`` run by a new interpreter that imports this directory's conftest."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    source = f"import sys; sys.path.insert(0, {tests!r})\n" + textwrap.dedent(script)
+    return subprocess.Popen(
+        [sys.executable, "-c", source, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 async def test_a_coordinator_killed_with_sigkill_leaves_no_service_and_journals_it_interrupted(
     workspace: Path, tmp_path: Path
 ) -> None:
     token = f"sbx-service-{uuid.uuid4().hex}"
     journal = tmp_path / "killed.jsonl"
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script = f"import sys; sys.path.insert(0, {tests!r})\n" + textwrap.dedent(KILLED_COORDINATOR)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script, str(workspace), str(journal), token],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _coordinator(KILLED_COORDINATOR, str(workspace), str(journal), token)
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), CHILD_S)
