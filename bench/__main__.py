@@ -25,6 +25,7 @@ SECTIONS = (
     "layers",
     "sessions",
     "network",
+    "services",
 )
 
 
@@ -43,6 +44,7 @@ class Counts:
     sessions_calls: int = 400
     network_calls: int = 300
     network_downloads: int = 10
+    services: int = 30
 
 
 QUICK = Counts(
@@ -59,6 +61,7 @@ QUICK = Counts(
     sessions_calls=60,
     network_calls=60,
     network_downloads=3,
+    services=5,
 )
 
 
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         oneshot,
         report,
         search,
+        services,
         sessions,
         soak,
         streaming,
@@ -165,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.network = network.run(
                         ws, calls=counts.network_calls, downloads=counts.network_downloads
                     )
+                elif section == "services":
+                    result.services = services.run(ws, services=counts.services)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

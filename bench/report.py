@@ -29,6 +29,8 @@ from bench.network import MODES as NETWORK_MODES
 from bench.oneshot import RATIO_BAR, OneShotResult
 from bench.procs import Leftovers
 from bench.search import SearchResult
+from bench.services import ServicesResult
+from bench.services import table as services_table
 from bench.sessions import COMMAND as SESSION_COMMAND
 from bench.sessions import SessionsResult
 from bench.soak import KINDS, SoakResult
@@ -58,6 +60,7 @@ class Report:
     changes: ChangesResult | None = None
     layers: LayersResult | None = None
     sessions: SessionsResult | None = None
+    services: ServicesResult | None = None
     network: NetworkResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
@@ -714,6 +717,8 @@ def render(report: Report) -> str:
         parts.append(_sessions(report.sessions))
     if report.network is not None:
         parts.append(network_table(report.network))
+    if report.services is not None:
+        parts.append(services_table(report.services))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))
