@@ -94,6 +94,7 @@ from sandbx_pool.scheduling_actions import (
     Signal,
     Watch,
 )
+from sandbx_pool.service_tools import ServiceTools, handles_service_tool
 from sandbx_pool.services import Service, Services, start_service
 from sandbx_pool.sessions import Sessions, check_id
 from sandbx_pool.telemetry import Telemetry, open_telemetry
@@ -179,6 +180,8 @@ class Pool:
         self._sessions = Sessions()
         #: Services (sandbx_pool.services): calls that run until stopped, by name.
         self._services = Services()
+        #: bash's ``background`` and the service_* tools (sandbx_pool.service_tools).
+        self._service_tools = ServiceTools(self._services, self.service, self._gate)
         #: The network proxy (sandbx_pool.proxy), started by the first allow-listed call.
         self._proxy: ProxyHandle | None = None
         self._finalizer = weakref.finalize(self, release, self._remains)
@@ -446,6 +449,17 @@ class Pool:
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
         if session is not None:
             check_id(session)
+        if handles_service_tool(tool, args):
+            return await self._service_tools.run(
+                call_id or f"{self._id_prefix}-{next(self._ids)}",
+                tool,
+                args,
+                journal=self.journal,
+                session=session,
+                cwd=cwd,
+                env=env,
+                network=network,
+            )
         own_network = None if network is None else allow_list.parse_network(network)
         mode = change_mode(changes) if changes is not None else self.changes
         layer = await self._layer_of(workspace, changes)

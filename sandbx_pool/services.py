@@ -35,7 +35,7 @@ import asyncio
 import enum
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from sandbx_pool import allow_list
@@ -321,7 +321,7 @@ class Services:
     def __init__(self) -> None:
         self._by_name: dict[str, Service] = {}
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Service]:
         return iter(list(self._by_name.values()))
 
     def get(self, name: str) -> Service:

@@ -376,3 +376,65 @@ async def test_a_tty_service_is_a_terminal_to_python(pool: Pool) -> None:
     await svc.wait(timeout=30)
     text = (await svc.output())[0].replace(b"\r\n", b"\n")
     assert text.startswith(b"True\n> 42\ngot 42\n"), text
+
+
+# -- the tools a model calls -------------------------------------------------------------------
+
+
+async def test_bash_background_starts_a_service_the_service_tools_reach(
+    pool: Pool, tmp_path: Path
+) -> None:
+    command = 'echo ready; while read -r line; do echo "got:$line"; done'
+    started = await pool.call("bash", {"command": command, "background": True}, session="m")
+    assert started.status is Status.OK, started
+    name = started.value["service"]
+    assert started.value["status"] == "running"
+    svc = next(s for s in pool.services() if s.name == name)
+    await _output_holds(svc, b"ready\n")
+
+    wrote = await pool.call("service_write", {"service": name, "data": "hi\n"}, session="m")
+    assert wrote.value["written"] == 3
+    await _output_holds(svc, b"got:hi\n")
+    read = await pool.call("service_output", {"service": name}, session="m")
+    assert read.value["output"] == "ready\ngot:hi\n"
+    assert read.value["next"] == 13
+    again = await pool.call("service_output", {"service": name, "since": 13}, session="m")
+    assert again.value["output"] == ""
+
+    # Another session, or none, does not see it.
+    for other in ("x", None):
+        hidden = await pool.call("service_stop", {"service": name}, session=other)
+        assert hidden.status is Status.ERROR
+        assert "no service named" in (hidden.error or "")
+    assert svc.status is ServiceStatus.RUNNING
+
+    stopped = await pool.call("service_stop", {"service": name}, session="m")
+    assert stopped.value == {"service": name, "status": "killed", "exit_code": None}
+    late = await pool.call("service_write", {"service": name, "data": "x"}, session="m")
+    assert late.status is Status.ERROR
+    assert "killed" in (late.error or "")
+    bad = await pool.call("service_output", {"service": name, "since": -1}, session="m")
+    assert bad.status is Status.ERROR
+    refused = await pool.call("bash", {"command": "true", "background": True, "stdin": "x"})
+    assert refused.status is Status.ERROR
+
+    await pool.close()
+    tools = [
+        r["tool"]
+        for r in journal_records(str(tmp_path / "journal.jsonl"))
+        if r["kind"] == "outcome"
+    ]
+    # Each tool call journaled as a call; the service's own call ends when it is stopped.
+    assert tools[:4] == ["bash", "service_write", "service_output", "service_output"]
+    assert {"_service", "service_stop"} <= set(tools)
+
+
+async def test_a_background_command_the_gate_refuses_is_denied(
+    workspace: Path, tmp_path: Path
+) -> None:
+    async with Pool(workspace, config=marked_config(), approve=lambda tool, args: False) as pool:
+        refused = await pool.call("bash", {"command": "touch made", "background": True})
+    assert refused.status is Status.DENIED
+    assert refused.value is not None
+    assert refused.value["status"] == "exited"
+    assert not (workspace / "made").exists()

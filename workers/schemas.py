@@ -184,8 +184,26 @@ class BashArgs(ToolArgs):
         bool,
         Meta(description="Send stderr into stdout's pipe, keeping their order; stderr is ''."),
     ] = False
+    # Answered by the coordinator (sandbx_pool.service_tools): the command starts as a service
+    # and the value names it; no worker ever runs a bash call with it set.
+    background: Annotated[
+        bool,
+        Meta(
+            description="Start the command as a background service that outlives this call (a"
+            " server, a watcher, a REPL): the result names it at once; read it with"
+            " service_output, type into it with service_write, end it with service_stop."
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
+        if self.background and (
+            self.argv is not None
+            or self.stdin is not None
+            or self.stdin_bytes is not None
+            or self.user is not None
+            or self.merge_stderr
+        ):
+            raise ValueError("background takes a command alone (no argv, stdin, user, merge)")
         if self.argv is not None:
             if not self.argv:
                 raise ValueError("argv must not be empty")
@@ -199,6 +217,44 @@ class BashArgs(ToolArgs):
             raise ValueError("give stdin or stdin_bytes, not both")
 
 
+ServiceName = Annotated[
+    str, Meta(description="The service's name, as bash's background call returned it.")
+]
+
+
+class ServiceOutputArgs(ToolArgs):
+    """Read a background command's output (bash background=true), its status and exit code."""
+
+    service: ServiceName
+    since: Annotated[
+        int,
+        Meta(ge=0, description="Byte offset to read from: 0 for all, the last answer's next."),
+    ] = 0
+
+
+class ServiceWriteArgs(ToolArgs):
+    """Type text into a background command's stdin (or terminal): an answer to its prompt."""
+
+    service: ServiceName
+    data: Annotated[
+        str, Meta(description="The text; end it with a newline when the program reads lines.")
+    ]
+
+
+class ServiceStopArgs(ToolArgs):
+    """Stop a background command and everything it started; says how it ended."""
+
+    service: ServiceName
+
+
+#: Tools the coordinator answers itself, about the services a bash call started in the
+#: background (sandbx_pool.service_tools): no worker runs them.
+SERVICE_TOOL_ARGS: dict[str, type[ToolArgs]] = {
+    "service_output": ServiceOutputArgs,
+    "service_write": ServiceWriteArgs,
+    "service_stop": ServiceStopArgs,
+}
+
 TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "read": ReadArgs,
     "write": WriteArgs,
@@ -207,6 +263,7 @@ TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "grep": GrepArgs,
     "find": FindArgs,
     "bash": BashArgs,
+    **SERVICE_TOOL_ARGS,
 }
 
 
