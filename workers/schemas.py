@@ -331,7 +331,7 @@ INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {
 }
 
 #: Tools whose effects outlive the call: their journal intent is made durable before they run.
-SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash"})
+SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash", "_service", "service_write"})
 
 #: Tools that start programs. Only these get the confinement steps that bound what an exec'd
 #: program can do (workers.sandbox.confine), and a SIGTERM and grace period before SIGKILL
