@@ -44,6 +44,7 @@ from sandbx_pool.errors import ServiceNotRunning
 from sandbx_pool.outcome import KilledBy, Outcome
 from sandbx_pool.output import OutputChunk
 from sandbx_pool.sessions import check_id
+from sandbx_pool.transcript import Transcript
 from sandbx_pool.workers.protocol import (
     MAX_MESSAGE_BYTES,
     ServiceInput,
@@ -54,12 +55,12 @@ from sandbx_pool.workers.protocol import (
 if TYPE_CHECKING:
     from sandbx_pool.pool import Pool
 
-#: Bytes of a service's output kept: the first half of this and the last half, the bytes in
-#: between counted. An idle server holds a few KiB; a flood never more than this.
-KEEP_OUTPUT_BYTES = 1024 * 1024
-
 #: Most bytes of input in one ServiceInput (well under the frame limit, with its envelope).
 _INPUT_CHUNK = min(256 * 1024, MAX_MESSAGE_BYTES // 2)
+
+#: Ended services kept for ``pool.services()`` (their output included), the oldest dropped
+#: first: an agent that starts services all day must not hold every transcript it made.
+MAX_ENDED_KEPT = 64
 
 #: How often wait_port looks at the service's listening sockets.
 _PORT_POLL_S = 0.02
@@ -77,63 +78,6 @@ class ServiceCall(CallState):
     internal = True
 
 
-class _Transcript:
-    """A service's output by byte offset: its head and its tail, the middle counted."""
-
-    def __init__(self, keep: int = KEEP_OUTPUT_BYTES) -> None:
-        self.head_cap = keep // 2
-        self.tail_cap = keep - self.head_cap
-        self.head = bytearray()
-        #: (offset, bytes) pieces after the head, oldest first, at most about tail_cap bytes.
-        self.tail: list[tuple[int, bytes]] = []
-        self.tail_bytes = 0
-        self.total = 0
-        #: Bytes written and no longer held (dropped by the worker's stream bound, or trimmed).
-        self.omitted = 0
-
-    def add(self, data: bytes, dropped: int = 0) -> None:
-        """``data``, then a gap of ``dropped`` bytes (the worker's sink keeps the first bytes
-        of an interval and counts the rest; a service's drops none unless its sink broke)."""
-        self._add(data)
-        self.total += dropped
-        self.omitted += dropped
-
-    def _add(self, data: bytes) -> None:
-        if not data:
-            return
-        if self.total == len(self.head) and len(self.head) < self.head_cap:
-            room = self.head_cap - len(self.head)
-            self.head += data[:room]
-            self.total += len(data[:room])
-            data = data[room:]
-        if data:
-            self.tail.append((self.total, bytes(data)))
-            self.total += len(data)
-            self.tail_bytes += len(data)
-            while self.tail_bytes > self.tail_cap and len(self.tail) > 1:
-                _, oldest = self.tail.pop(0)
-                self.tail_bytes -= len(oldest)
-                self.omitted += len(oldest)
-
-    def read(self, since: int) -> tuple[bytes, int]:
-        """The bytes from offset ``since`` that are held, a marker line where some are not."""
-        pieces = [(0, bytes(self.head)), *self.tail]
-        out = bytearray()
-        at = since
-        for start, data in pieces:
-            end = start + len(data)
-            if end <= at or not data:
-                continue
-            if start > at:
-                out += f"\n[... {start - at} bytes omitted ...]\n".encode()
-                at = start
-            out += data[at - start :]
-            at = end
-        if at < self.total:
-            out += f"\n[... {self.total - at} bytes omitted ...]\n".encode()
-        return bytes(out), self.total
-
-
 class Service:
     """A running (or ended) service. Made by ``pool.service``; see the module's docstring."""
 
@@ -148,7 +92,7 @@ class Service:
         self.session = session
         self.call = call
         self._send = send
-        self._transcript = _Transcript()
+        self._transcript = Transcript()
         self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.driver: asyncio.Task[Outcome] | None = None
         #: Its network namespace is one its session's calls join (``network`` false).
@@ -365,7 +309,11 @@ class Services:
         return None
 
     def add(self, service: Service) -> None:
+        self._by_name.pop(service.name, None)  # an ended one of that name: last in order now
         self._by_name[service.name] = service
+        ended = [s.name for s in self._by_name.values() if s.status is not ServiceStatus.RUNNING]
+        for name in ended[: max(0, len(ended) - MAX_ENDED_KEPT)]:
+            del self._by_name[name]
 
     def of_session(self, session: str) -> list[Service]:
         return [s for s in self._by_name.values() if s.session == session]
@@ -450,12 +398,16 @@ async def start_service(
     services.add(service)
     service.driver = launch(call)
     first: set[asyncio.Future[Any]] = {service.started, service.driver}
-    await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        # As for a call: the caller that gave up on it does not leave it running unseen.
+        call.request_kill(KilledBy.TASK, f"service {name!r}: its start was cancelled")
+        raise
     return service
 
 
 __all__ = [
-    "KEEP_OUTPUT_BYTES",
     "Service",
     "ServiceCall",
     "ServiceStatus",

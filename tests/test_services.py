@@ -21,7 +21,7 @@ from helpers import alive, journal_records, wait_until
 
 from sandbx_pool import KilledBy, Pool, Service, ServiceNotRunning, ServiceStatus, Status
 from sandbx_pool.journal import reader as journal_reader
-from sandbx_pool.services import KEEP_OUTPUT_BYTES, _Transcript
+from sandbx_pool.transcript import KEEP_OUTPUT_BYTES, Transcript
 
 #: How long a coordinator subprocess may take to start a pool and a service.
 CHILD_S = 120
@@ -162,7 +162,7 @@ async def test_a_flood_of_output_is_kept_head_and_tail_within_the_bound(pool: Po
 
 
 def test_the_transcript_holds_head_and_tail_and_marks_the_gap() -> None:
-    kept = _Transcript(keep=20)
+    kept = Transcript(keep=20)
     kept.add(b"0123456789")  # the head
     kept.add(b"abcde")
     kept.add(b"fghij")
