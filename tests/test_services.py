@@ -120,6 +120,34 @@ async def test_a_service_that_exits_by_itself_says_its_exit_code(pool: Pool) -> 
     assert (await again.wait(timeout=30)).status is Status.OK
 
 
+async def test_a_service_lives_on_in_what_its_command_left_running(
+    containment: str, workspace: Path
+) -> None:
+    async with Pool(workspace, config=marked_config()) as pool:
+        await _lives_on(pool)
+
+
+async def _lives_on(pool: Pool) -> None:
+    # A launcher that starts the real server in the background and exits (pg_ctl start,
+    # redis-server --daemonize yes): the service is what it left, until that ends too.
+    svc = await pool.service("daemon", "(sleep 0.5; echo late) & echo launched; exit 4")
+    await _output_holds(svc, b"launched\n")
+    assert svc.status is ServiceStatus.RUNNING
+    outcome = await svc.wait(timeout=30)
+    assert outcome.status is Status.OK
+    assert svc.exit_code == 4  # the launcher's
+    assert (await svc.output())[0] == b"launched\nlate\n"
+    # One that never ends is stopped like any service, its orphan with it.
+    kept = await pool.service("kept", "setsid sleep 1000 >/dev/null 2>&1 & exit 0")
+    with pytest.raises(TimeoutError):
+        await kept.wait(timeout=0.5)
+    assert kept.status is ServiceStatus.RUNNING
+    pid = kept.pid
+    assert pid is not None
+    await kept.stop()
+    await wait_until(lambda: not alive(pid), what="the worker and its orphan gone")
+
+
 async def test_write_feeds_its_stdin_and_eof_closes_it(pool: Pool) -> None:
     svc = await pool.service("reader", 'while read -r line; do echo "got:$line"; done; echo end')
     await svc.write("one\n")

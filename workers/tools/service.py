@@ -6,7 +6,8 @@ Data flow inside the worker::
                                                                         v
     bash -c ... <--stdin pipe (or the pty's slave)-- pending input <-- selector
          |  --stdout+stderr, one pipe (or the pty's master)-------------> OutputSink --> Output
-         +-- pidfd: bash exited --> wait(), kill_descendants(), drain --> Result(exit_code)
+         +-- pidfd: bash exited --> wait(); SIGCHLD: orphans reaped (_Children)
+                 nothing it started left, output at its end --> Result(bash's exit_code)
                  SIGTERM (stopping): the command's grace, then kill ----^
 
 It is bash's tool (workers.tools.bash) with three differences. Nothing is kept for the
@@ -31,6 +32,7 @@ import fcntl
 import os
 import pty
 import selectors
+import signal
 import struct
 import subprocess
 import termios
@@ -219,10 +221,58 @@ def _receive(command: _Command, channel: zmtp.Dealer) -> bool:
     return True
 
 
+class _Children:
+    """SIGCHLD as a readable descriptor, and the worker's children reaped but bash.
+
+    A service ends when nothing it started is left, not when bash exits: ``pg_ctl start``,
+    ``redis-server --daemonize yes`` and ``cmd &`` leave the real service running after the
+    launcher is gone. The worker is their subreaper (or their PID namespace's init), so every
+    orphan becomes its child: no child left means nothing of the service is left.
+    """
+
+    def __init__(self) -> None:
+        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._previous = signal.signal(signal.SIGCHLD, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._write_fd, b"\0")
+
+    def fileno(self) -> int:
+        return self._read_fd
+
+    def reap(self, keep: int | None) -> bool:
+        """Reap the children that exited, but ``keep`` (bash: Popen takes its status); True
+        while any child is left."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._read_fd, 4096)
+        while True:
+            try:
+                flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+                exited = os.waitid(os.P_ALL, 0, flags)
+            except ChildProcessError:
+                return False
+            if exited is None or exited.si_pid == keep:
+                return True
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(exited.si_pid, 0)
+
+    def close(self) -> None:
+        signal.signal(signal.SIGCHLD, self._previous)
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+
 def run_service(args: ServiceArgs, ctx: ExecutionContext) -> dict[str, Any]:
-    """Run the command until it exits or the coordinator stops it; its output goes out as it
-    comes (``Call.stream_output``). The value: exit code and signal, as bash's."""
-    command = _Command(args, ctx)
+    """Run the command until it and all it started have ended, or the coordinator stops it;
+    its output goes out as it comes (``Call.stream_output``). The value: bash's exit code and
+    signal, as bash's tool reports them."""
+    children = _Children()
+    try:
+        command = _Command(args, ctx)
+    except BaseException:
+        children.close()
+        raise
     sink, stop, channel = streaming.current, stopping.current, connection
     pidfd = os.pidfd_open(command.proc.pid)
     if sink is not None:
@@ -230,15 +280,16 @@ def run_service(args: ServiceArgs, ctx: ExecutionContext) -> dict[str, Any]:
     try:
         with selectors.DefaultSelector() as selector:
             selector.register(pidfd, selectors.EVENT_READ, "exit")
+            selector.register(children, selectors.EVENT_READ, "child")
             if stop is not None:
                 selector.register(stop, selectors.EVENT_READ, "stop")
             if channel is not None:
                 selector.register(channel, selectors.EVENT_READ, "input")
-            running, output_open, reading = True, True, False
+            running, output_open, reading, left = True, True, False, True
             writing: int | None = None  # the input end, while input waits for it
             # Until bash has exited and the output is at its end: a server that sends its
             # output to a file closes our pipe long before it ends.
-            while running or output_open:
+            while running or output_open or left:
                 # Read only what the sink can send: a command that writes faster than its
                 # output is paced waits on a full pipe, as on a slow terminal, and nothing
                 # is dropped (so the last lines it wrote are the transcript's tail).
@@ -254,9 +305,11 @@ def run_service(args: ServiceArgs, ctx: ExecutionContext) -> dict[str, Any]:
                         selector.unregister(key.fileobj)
                     elif key.data == "exit":
                         selector.unregister(pidfd)
-                        command.proc.wait()  # before kill_descendants() reaps its status
-                        kill_descendants()
+                        command.proc.wait()  # before reap() may take its status
                         running = False
+                        left = children.reap(None)
+                    elif key.data == "child":
+                        left = children.reap(command.proc.pid if running else None)
                     elif key.data == "input":
                         assert channel is not None
                         if not _receive(command, channel):
@@ -283,6 +336,7 @@ def run_service(args: ServiceArgs, ctx: ExecutionContext) -> dict[str, Any]:
     finally:
         os.close(pidfd)
         command.stop()
+        children.close()
         if sink is not None:
             sink.flush(final=True)
         command.close()
