@@ -583,7 +583,8 @@ class Pool:
     def _launch(self, call: CallState) -> asyncio.Task[Outcome]:
         """Drive ``call`` as call() does, for a caller that keeps its task (a service): in
         flight until it ends, so close() kills it as any call. It takes no call's slot."""
-        self.admit(self.max_workers + 1)
+        if self._services.take_slot():
+            self.admit(self.max_workers + 1)
         run = partial(self._run, call)
         driver = asyncio.create_task(call.drive(self.journal, run, self.telemetry))
         driver.set_name(call.call_id)

@@ -148,17 +148,6 @@ class Service:
         """Output bytes written and no longer held (between the kept head and tail)."""
         return self._transcript.omitted
 
-    def describe(self) -> dict[str, Any]:
-        """What ``pool.services()`` and the tools show of it."""
-        return {
-            "name": self.name,
-            "session": self.session,
-            "status": str(self.status),
-            "exit_code": self.exit_code,
-            "call_id": self.call.call_id,
-            "output_bytes": self._transcript.total,
-        }
-
     # -- use ----------------------------------------------------------------------------------
 
     async def output(self, since: int = 0) -> tuple[bytes, int]:
@@ -264,16 +253,21 @@ class Services:
 
     def __init__(self) -> None:
         self._by_name: dict[str, Service] = {}
+        #: The most services that ran at once: the pool's worker count was raised by as many.
+        self._slots = 0
 
     def __iter__(self) -> Iterator[Service]:
         return iter(list(self._by_name.values()))
 
-    def get(self, name: str) -> Service:
-        """The service of that name; ValueError for one the pool never started."""
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise ValueError(f"no service named {name!r}") from None
+    def take_slot(self) -> bool:
+        """Whether the service starting now needs the pool's ``workers`` raised by one: so
+        that it takes no call's slot, while ``workers`` grows only to the most services that
+        ever ran at once, not with every service started."""
+        running = sum(1 for s in self._by_name.values() if s.status is ServiceStatus.RUNNING)
+        if running <= self._slots:
+            return False
+        self._slots = running
+        return True
 
     def check_name(self, name: object) -> str:
         try:
