@@ -1,13 +1,14 @@
 """Services: a command an agent starts on purpose to outlive its call (a dev server, a REPL).
 
-    pool.service(name, command, session=...) --> Services.start
-        |  checks that raise: a bad or taken name, a network list, a layer
+    pool.service(name, command, session=...) --> start_service
+        |  checks that raise: a bad or taken name, a network list, a layer, a session's
+        |  offline service where workers cannot share a network namespace
         |  the session's cwd and exports (once its calls so far have ended)
         |  a ServiceCall (tool ``_service``, no timeout), driven as any call is: intent,
         |  worker, confinement, limits and cgroup as a bash call's, outcome (call_life)
         |  waits for the worker's "started" mark: the command runs, confined
         v
-    Service: output(since) <-- Output chunks, kept head and tail (_Transcript)
+    Service: output(since) <-- Output chunks, kept head and tail (transcript.py)
              write / resize --> ServiceInput / ServiceResize to its worker (after the Call)
              stop() --> the call's kill (killer ``token``, the reason naming who stopped it)
              wait() <-- the call's outcome: ``exited`` with its exit code, or ``killed``
@@ -25,8 +26,10 @@ namespace (``Sandbox.join_network``: ``/proc/PID/ns/net`` of the service's worke
 before the call's mounts) and reach it on localhost, while no other session's call does. A
 session with such a service is offline for as long as it runs. Joining needs the pool's
 workers to be in the initial user namespace (root): workers in user namespaces of their own
-(a pool without root) cannot enter one another's, and such a session's calls are refused
-rather than run elsewhere.
+(a pool without root) cannot enter one another's, so there a session's offline service is
+refused at its start (ValueError) rather than left where its session's calls cannot reach it.
+Services' own start, in the worker, and its input: workers.tools.service. The tools a model
+calls (bash's ``background``, service_output...): sandbx_pool.service_tools.
 """
 
 from __future__ import annotations
@@ -221,8 +224,9 @@ class Service:
     async def stop(self, reason: str = "stopped by its owner") -> Outcome:
         """Kill its process group (SIGTERM, the grace, then SIGKILL), journaled with killer
         ``token`` and ``reason``; its outcome. Stopping an ended service returns how it ended."""
-        self.call.request_kill(KilledBy.TOKEN, f"service {self.name!r}: {reason}")
         driver = self._driver()
+        if not driver.done():  # an ended call's killer stays as its outcome says
+            self.call.request_kill(KilledBy.TOKEN, f"service {self.name!r}: {reason}")
         await asyncio.shield(driver)
         return driver.result()
 
