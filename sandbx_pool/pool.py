@@ -542,7 +542,7 @@ class Pool:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         tty: bool = False,
-        network: bool | None = None,
+        network: bool | list[str] | tuple[str, ...] | None = None,
     ) -> Service:
         """Start ``command`` (bash -c) as the service ``name`` and return it once it runs
         (or has failed to: ``svc.outcome`` says why). Confined, limited and journaled as a
@@ -550,8 +550,8 @@ class Pool:
         session ends (``end_session``) or the pool closes. ``session``: it starts in the
         session's cwd with its exports and belongs to it; with ``network`` false the
         session's later calls join its network namespace (sandbx_pool.services). ``tty``: a
-        pseudo-terminal for its stdin, stdout and stderr. A bad or running name, or a network
-        allow-list, is a ValueError."""
+        pseudo-terminal for its stdin, stdout and stderr. ``network``: as a call's (an
+        allow-list only without a session). A bad or running name is a ValueError."""
         if self.state is not PoolState.OPEN:
             raise PoolClosed("the pool is not open")
         service = await start_service(
@@ -882,7 +882,7 @@ class Pool:
         """Start the network proxy if ``call`` is the first to need it (an allow-listed bash:
         preflight.with_network says why no other tool)."""
         network = call.network if call.network is not None else self.config.sandbox.network
-        if isinstance(network, bool) or call.tool != preflight.PROXIED_TOOL:
+        if isinstance(network, bool) or call.tool not in preflight.PROXIED_TOOLS:
             return
         if self._proxy is None:
             assert self._runtime_dir is not None

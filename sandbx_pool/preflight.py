@@ -38,6 +38,9 @@ from sandbx_pool.workers.schemas import (
 
 #: The one tool an allow-list lets through the proxy (with_network).
 PROXIED_TOOL = "bash"
+#: The tools an allow-list lets through the proxy: bash, and a service (sandbx_pool.services),
+#: which is a bash command that runs on.
+PROXIED_TOOLS = frozenset({PROXIED_TOOL, "_service"})
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def with_network(sandbox: Sandbox, call: CallState, proxy_socket: str | None) ->
     namespace can be made, Landlock's TCP rules hold it)."""
     network = call.network
     listed = isinstance(network, tuple) or (network is None and sandbox.network_allow is not None)
-    if listed and call.tool != PROXIED_TOOL:
+    if listed and call.tool not in PROXIED_TOOLS:
         network = False
     if network is not None:
         allow = None if isinstance(network, bool) else network
@@ -179,6 +182,7 @@ def max_output_bytes(config: Config, tool: str) -> int:
 
 __all__ = [
     "PROXIED_TOOL",
+    "PROXIED_TOOLS",
     "PoolSide",
     "call_context",
     "check_call_arguments",

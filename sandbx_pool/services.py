@@ -284,14 +284,18 @@ class Services:
             raise ValueError(f"service name {name!r} is taken (a service of that name runs)")
         return name
 
-    def check_network(self, network: object) -> bool | None:
-        if network is None:
-            return None
-        parsed = allow_list.parse_network(network)
-        if not isinstance(parsed, bool):
+    def check_network(
+        self, network: object, session: str | None, pool_network: object
+    ) -> bool | tuple[str, ...] | None:
+        """The service's own network (None: the pool's); ValueError for a bad one, or for an
+        allow-list in a session (the session's calls would need the service's registration
+        with the proxy: not supported yet)."""
+        parsed = None if network is None else allow_list.parse_network(network)
+        mine = parsed if parsed is not None else pool_network
+        if session is not None and not isinstance(mine, bool):
             raise ValueError(
-                "a service's network is true or false: an allow-list is not supported for"
-                " services yet"
+                "a session's service cannot have an allow-list yet (its calls could not use"
+                " the service's proxy): give it network = true or false, or no session"
             )
         return parsed
 
@@ -355,7 +359,7 @@ async def start_service(
         raise ValueError("command must be a non-empty str")
     if session is not None:
         check_id(session)
-    own_network = services.check_network(network)
+    own_network = services.check_network(network, session, pool.config.sandbox.network)
     if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
         raise ValueError(
             f"a service's workspace must be an absolute path or None, not {workspace!r}"
@@ -379,9 +383,7 @@ async def start_service(
     )
     call.session = session
     call.network = own_network
-    offline = own_network is False or (
-        own_network is None and pool.config.sandbox.network is not True
-    )
+    offline = own_network is False or (own_network is None and pool.config.sandbox.network is False)
     call.loopback = True
     if offline and session is not None and not shared_network:
         raise ValueError(

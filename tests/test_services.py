@@ -6,12 +6,14 @@ its session or its pool, journaled, and gone with a coordinator killed by SIGKIL
 from __future__ import annotations
 
 import asyncio
+import http.server
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 
@@ -218,7 +220,9 @@ async def test_names_follow_session_ids_and_a_running_name_is_taken(pool: Pool) 
     with pytest.raises(ValueError, match="command"):
         await pool.service("empty", "")
     with pytest.raises(ValueError, match="allow-list"):
-        await pool.service("listed", "true", network=["example.com"])
+        await pool.service("listed", "true", network=["example.com"], session="s")
+    with pytest.raises(ValueError, match="host"):
+        await pool.service("listed", "true", network=["http://example.com"])
     svc = await pool.service("db", "exec sleep 1000")
     with pytest.raises(ValueError, match="taken"):
         await pool.service("db", "true")
@@ -376,6 +380,52 @@ async def test_an_offline_services_port_is_its_sessions_alone(pool: Pool) -> Non
     )
     assert online.value["exit_code"] != 0
     await svc.stop()
+
+
+class _Hello(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"hello from the host\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.needs("network allow-list")
+async def test_an_allow_listed_service_reaches_its_hosts_through_the_proxy(
+    workspace: Path,
+) -> None:
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
+    thread = threading.Thread(target=host.serve_forever, daemon=True)
+    thread.start()
+    port = host.server_address[1]
+    pinned = {"index.test": "127.0.0.1", "evil.test": "127.0.0.1"}
+    config = marked_config(sandbox={"network_hosts": pinned})
+    fetch = (
+        "import urllib.request as u, urllib.error as e\n"
+        "for name in ('index', 'evil'):\n"
+        "    try:\n"
+        f"        print(name, u.urlopen(f'http://{{name}}.test:{port}/', timeout=10).read())\n"
+        "    except e.HTTPError as refused:\n"
+        "        print(name, refused.code)\n"
+    )
+    (workspace / "fetch.py").write_text(fetch)
+    try:
+        async with Pool(workspace, config=config) as pool:
+            listed = [f"index.test:{port}"]
+            svc = await pool.service("fetcher", "python3 fetch.py; exec sleep 1000", network=listed)
+            await _output_holds(svc, b"evil 403\n")
+            assert (await svc.output())[0].startswith(b"index b'hello from the host\\n'\n")
+            outcome = await svc.stop()
+        assert outcome.value is not None
+        assert outcome.value["network_denied"] == ["evil.test"]
+    finally:
+        host.shutdown()
+        host.server_close()
+        thread.join()
 
 
 # -- terminals -------------------------------------------------------------------------------
