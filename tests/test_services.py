@@ -108,6 +108,21 @@ async def test_a_service_runs_until_stopped_and_the_stop_is_journaled(
     assert end["killed_by"] == "token"
 
 
+async def test_services_take_no_calls_slot(workspace: Path) -> None:
+    async with Pool(workspace, config=marked_config(pool={"workers": 1})) as pool:
+        first = await pool.service("one", "exec sleep 1000")
+        second = await pool.service("two", "exec sleep 1000")
+        done = await pool.call("bash", {"command": "echo free"}, timeout=30)
+        assert done.value["stdout"] == "free\n"
+        assert pool.max_workers == 3
+        await first.stop()
+        again = await pool.service("three", "exec sleep 1000")
+        assert pool.max_workers == 3  # as many as ever ran at once, not one per start
+        assert [s.status for s in pool.services()] == ["killed", "running", "running"]
+        await second.stop()
+        await again.stop()
+
+
 async def test_a_service_that_exits_by_itself_says_its_exit_code(pool: Pool) -> None:
     svc = await pool.service("short", "echo done; exit 3")
     outcome = await svc.wait(timeout=30)
