@@ -23,9 +23,11 @@ SECTIONS = (
     "oneshot",
     "changes",
     "layers",
+    "images_layer",
     "sessions",
     "network",
     "services",
+    "trajectory",
 )
 
 
@@ -45,6 +47,10 @@ class Counts:
     network_calls: int = 300
     network_downloads: int = 10
     services: int = 30
+    percall_rounds: int = 8  # issue 40's rows, in the latency section
+    percall_per_round: int = 10
+    parallel_calls: int = 600  # issue 40's rows, in the throughput section
+    trajectory_rounds: int = 5
 
 
 QUICK = Counts(
@@ -62,6 +68,10 @@ QUICK = Counts(
     network_calls=60,
     network_downloads=3,
     services=5,
+    percall_rounds=2,
+    percall_per_round=5,
+    parallel_calls=160,
+    trajectory_rounds=1,
 )
 
 
@@ -102,10 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         changes,
         cluster,
         hung,
+        images_layer,
         latency,
         layers,
         network,
         oneshot,
+        parallel,
+        percall,
         report,
         search,
         services,
@@ -113,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         soak,
         streaming,
         throughput,
+        trajectory,
     )
     from bench.procs import cpu_snapshot, leftovers, others_share
     from bench.workspace import MARKER, bench_workspace
@@ -140,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             before = cpu_snapshot()
             try:
                 if section == "latency":
+                    result.percall = percall.run(
+                        ws, rounds=counts.percall_rounds, per_round=counts.percall_per_round
+                    )
                     result.latency = latency.run(ws, calls=counts.latency_calls)
                 elif section == "cancel":
                     result.cancel = cancel.run(ws, count=counts.cancels)
@@ -147,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                     result.hung = hung.run(ws, count=counts.hung_stops)
                 elif section == "throughput":
                     result.throughput = throughput.run(ws, calls=counts.throughput_calls)
+                    result.parallel = parallel.run(ws, calls=counts.parallel_calls)
                 elif section == "soak":
                     calls = args.soak_calls or counts.soak_calls
                     result.soak = soak.run(ws, calls=calls, seed=args.seed)
@@ -163,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.changes = changes.run(ws, calls=counts.changes_calls)
                 elif section == "layers":
                     result.layers = layers.run(ws, samples=counts.layer_samples)
+                elif section == "images_layer":
+                    result.images_layer = images_layer.run(ws, samples=counts.layer_samples)
                 elif section == "sessions":
                     result.sessions = sessions.run(ws, calls=counts.sessions_calls)
                 elif section == "network":
@@ -171,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 elif section == "services":
                     result.services = services.run(ws, services=counts.services)
+                elif section == "trajectory":
+                    result.trajectory = trajectory.run(ws, rounds=counts.trajectory_rounds)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

@@ -55,7 +55,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool import allow_list, descriptors, preflight
+from sandbx_pool import allow_list, descriptors, image_layer, preflight
 from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
@@ -64,6 +64,7 @@ from sandbx_pool.config import ChangeMode, Config, JournalPolicy, change_mode, l
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
+from sandbx_pool.images.image import Image
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
@@ -463,10 +464,23 @@ class Pool:
         own_network = None if network is None else allow_list.parse_network(network)
         mode = change_mode(changes) if changes is not None else self.changes
         layer = await self._layer_of(workspace, changes)
-        layer_mount = mount_point(layer, view, layer_at)
-        if layer is not None:
+        image = layer.image if layer is not None else None
+        layer_mount: str | None
+        if layer is not None and image is not None:
+            # Over an image: the layer's root is the call's `/` (image_layer.py).
+            if view is not None or layer_at is not None:
+                raise ValueError(
+                    f"layer {layer.name!r} lies over an image, which is the call's / already:"
+                    " no view or layer_at"
+                )
+            view = workspace = layer_mount = layer.path
+            mode = ChangeMode.DIRECT
+        elif layer is not None:
+            layer_mount = mount_point(layer, view, layer_at)
             workspace = layer.path if view is None else None
             mode = ChangeMode.DIRECT
+        else:
+            layer_mount = mount_point(layer, view, layer_at)
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
@@ -490,6 +504,9 @@ class Pool:
             call.layer, call.layer_name = layer, layer.name
             call.layer_dir, call.layer_base = layer.directory, layer.base
             call.layer_mount = layer_mount
+            call.image = image
+            call.start_dir = image_layer.start_dir(image) if image is not None else None
+            call.layer_image = image.layer_dirs if image is not None else None
         call.network = own_network
         call.join_network = self._services.network_of(session)
         run: Callable[[], Awaitable[Outcome]] = partial(self._run, call)
@@ -647,15 +664,25 @@ class Pool:
 
     # -- layers (sandbx_pool.layers) ------------------------------------------------------------
 
-    async def layer(self, name: str, base: str | os.PathLike[str] | None = None) -> Layer:
+    async def layer(
+        self,
+        name: str,
+        base: str | os.PathLike[str] | None = None,
+        *,
+        image: Image | None = None,
+    ) -> Layer:
         """The layer ``name`` of the pool's layer store (``[workspace] layers``): made over
         ``base`` (a directory, never written: every call in the layer sees it plus the layer's
-        own changes), or, without ``base``, opened as a pool made it before. ValueError for a
-        name that is not plain, a base that is not a directory, lies in the store (or holds
-        it) or is not the one recorded; LayerUnavailable where no overlay mounts."""
+        own changes), or over ``image`` (an Image of the store, ``pool.image(ref)``: every
+        call in the layer sees the image as its ``/``, plus the layer's changes; see
+        sandbx_pool.image_layer), or, without either, opened as a pool made it before.
+        ValueError for a name that is not plain, a base that is not a directory, lies in the
+        store (or holds it) or is not the one recorded, an image that is not the recorded
+        one; LayerUnavailable where no overlay mounts, or the image's layers do not."""
         if self.state is not PoolState.OPEN:
             raise PoolClosed("the pool is not open")
-        return await self._layer_set().open(name, os.fspath(base) if base is not None else None)
+        path = os.fspath(base) if base is not None else None
+        return await self._layer_set().open(name, path, image)
 
     def _layer_set(self) -> Layers:
         if self._layers is None:
@@ -760,8 +787,9 @@ class Pool:
         tool: str,
         args: dict[str, Any],
         workspace: str,
-        layer: tuple[str, str] | None = None,
+        layer: tuple[str, str | None] | None = None,
         read_only: tuple[str, ...] | None = None,
+        image: tuple[str, ...] | None = None,
     ) -> Outcome:
         """Run one of the coordinator's own actions on a worker confined to ``workspace``,
         the change sets' directory writable besides; or, for a layer's (``layer``: its
@@ -769,6 +797,7 @@ class Pool:
         call = CallState(call_id, tool, args, None, workspace=workspace)
         if layer is not None:
             call.layer_dir, call.layer_base = layer
+            call.layer_image = image
         context = preflight.call_context(call, workspace, self._side())
         box = context.sandbox
         if read_only is None:

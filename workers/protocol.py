@@ -81,6 +81,10 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: loopback is allowed (Landlock's network rules are left out), so a service can listen
     #: and its session's calls connect. Where no namespace can be made the rules still apply.
     loopback: bool = False
+    #: The view is a layer over a container image (workers.image_root): its root is the
+    #: overlay of the image's layers, entered with nothing of the host's bound in and left
+    #: writable (the layer takes the writes). With ``view`` only.
+    image: bool = False
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +128,9 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: the confinement itself), and bash reports the state it leaves (``Result.session``).
     #: None: no session.
     session_env: dict[str, str] | None = None
+    #: A layer over a container image (sandbx_pool.layers): the image's unpacked layers in the
+    #: image store, bottom first, the overlay's lowers in place of ``layer_base`` (None then).
+    layer_image: tuple[str, ...] | None = None
 
 
 #: Most bytes of exported variables a shell session keeps (names and values, UTF-8); a call

@@ -64,6 +64,7 @@ import msgspec
 
 from sandbx_pool.workers import (
     _libc,
+    image_root,
     landlock,
     lockdown,
     netns,
@@ -519,8 +520,18 @@ def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | 
             " user namespaces are allowed ([sandbox] user_namespaces)"
         )
     try:
-        view.enter(box.view)
-        entered = os.stat("/")
+        if box.image:
+            # A layer over an image: its overlay is the whole tree, the host's programs
+            # included; the call is root in its namespace (workers.image_root).
+            layer_dir = os.path.dirname(box.view)
+            image_root.enter(box.view, layer_dir, network=box.network)
+            entered = os.stat("/")
+            image_root.become_root()
+        else:
+            view.enter(box.view)
+            entered = os.stat("/")
+    except image_root.ImageMountError as exc:
+        raise SandboxError(str(exc)) from None
     except OSError as exc:
         raise SandboxError(f"cannot enter the view {box.view}: {exc}") from exc
     if anchor is not None and (entered.st_dev, entered.st_ino) != anchor:
