@@ -280,7 +280,9 @@ async def test_the_gate_judges_a_service_as_the_bash_call_it_is(
 async def test_ending_its_session_stops_its_services_and_closing_the_pool_the_rest(
     workspace: Path, tmp_path: Path
 ) -> None:
-    async with Pool(workspace, config=marked_config(pool={"workers": 2})) as pool:
+    journal = tmp_path / "owned.jsonl"
+    config = marked_config(pool={"workers": 2})
+    async with Pool(workspace, journal=journal, config=config) as pool:
         await pool.call("bash", {"command": "cd src && export MODE=dev"}, session="s1")
         mine = await pool.service("mine", 'pwd; echo "$MODE"; exec sleep 1000', session="s1")
         other = await pool.service("other", "exec sleep 1000")
@@ -297,6 +299,8 @@ async def test_ending_its_session_stops_its_services_and_closing_the_pool_the_re
     assert other.outcome.killed_by is KilledBy.SHUTDOWN
     assert not alive(mine_pid)
     assert not alive(other_pid)
+    # A pool's close is how its services end: none is left in doubt by it.
+    assert journal_reader.in_doubt_calls(journal_reader.read_journal(journal)) == []
 
 
 KILLED_COORDINATOR = """
