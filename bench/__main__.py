@@ -26,6 +26,7 @@ SECTIONS = (
     "images_layer",
     "sessions",
     "network",
+    "services",
     "trajectory",
     "images",
 )
@@ -46,6 +47,7 @@ class Counts:
     sessions_calls: int = 400
     network_calls: int = 300
     network_downloads: int = 10
+    services: int = 30
     percall_rounds: int = 8  # issue 40's rows, in the latency section
     percall_per_round: int = 10
     parallel_calls: int = 600  # issue 40's rows, in the throughput section
@@ -66,6 +68,7 @@ QUICK = Counts(
     sessions_calls=60,
     network_calls=60,
     network_downloads=3,
+    services=5,
     percall_rounds=2,
     percall_per_round=5,
     parallel_calls=160,
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         percall,
         report,
         search,
+        services,
         sessions,
         soak,
         streaming,
@@ -189,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.network = network.run(
                         ws, calls=counts.network_calls, downloads=counts.network_downloads
                     )
+                elif section == "services":
+                    result.services = services.run(ws, services=counts.services)
                 elif section == "trajectory":
                     result.trajectory = trajectory.run(ws, rounds=counts.trajectory_rounds)
             except Exception as exc:  # the other sections still get measured and reported

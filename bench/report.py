@@ -35,6 +35,8 @@ from bench.parallel import ParallelResult
 from bench.percall import PerCallResult
 from bench.procs import Leftovers
 from bench.search import SearchResult
+from bench.services import ServicesResult
+from bench.services import table as services_table
 from bench.sessions import COMMAND as SESSION_COMMAND
 from bench.sessions import SessionsResult
 from bench.soak import KINDS, SoakResult
@@ -67,6 +69,7 @@ class Report:
     images: ImagesResult | None = None
     images_layer: ImagesLayerResult | None = None
     sessions: SessionsResult | None = None
+    services: ServicesResult | None = None
     network: NetworkResult | None = None
     #: issue 40: per call and 8 in flight against the command executors, and the trajectory
     percall: PerCallResult | None = None
@@ -735,6 +738,8 @@ def render(report: Report) -> str:
         parts.append(_sessions(report.sessions))
     if report.network is not None:
         parts.append(network_table(report.network))
+    if report.services is not None:
+        parts.append(services_table(report.services))
     if report.trajectory is not None:
         parts.append(executors_report.trajectory_section(report.trajectory))
     if report.images is not None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         PoolClosed,
         PoolNotStarted,
         SandbxPoolError,
+        ServiceNotRunning,
         TemplateLost,
         UndoConflict,
     )
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from sandbx_pool.outcome import KilledBy, Outcome, Status
     from sandbx_pool.output import OutputChunk
     from sandbx_pool.pool import Pool, PoolState
+    from sandbx_pool.services import Service, ServiceStatus
     from sandbx_pool.workers.protocol import Limits
     from sandbx_pool.workers.schemas import tool_schemas
 
@@ -63,6 +65,7 @@ _HOMES = {
     "PoolClosed": "sandbx_pool.errors",
     "PoolNotStarted": "sandbx_pool.errors",
     "SandbxPoolError": "sandbx_pool.errors",
+    "ServiceNotRunning": "sandbx_pool.errors",
     "TemplateLost": "sandbx_pool.errors",
     "UndoConflict": "sandbx_pool.errors",
     "Layer": "sandbx_pool.layers",
@@ -72,6 +75,8 @@ _HOMES = {
     "OutputChunk": "sandbx_pool.output",
     "Pool": "sandbx_pool.pool",
     "PoolState": "sandbx_pool.pool",
+    "Service": "sandbx_pool.services",
+    "ServiceStatus": "sandbx_pool.services",
     "Limits": "sandbx_pool.workers.protocol",
     "tool_schemas": "sandbx_pool.workers.schemas",
 }
@@ -97,6 +102,9 @@ __all__ = [
     "PoolNotStarted",
     "PoolState",
     "SandbxPoolError",
+    "Service",
+    "ServiceNotRunning",
+    "ServiceStatus",
     "Status",
     "TemplateLost",
     "UndoConflict",

@@ -22,6 +22,10 @@ class CallState(CallLife):
     """One call on this machine's pool: its life (call_life), and what its driver task and the
     receive path share: the worker it is given, its Result, its output callback."""
 
+    #: Whether the tool is one of the coordinator's own (a service's ``_service``): Pool.call
+    #: never makes such a call, so no caller can name one.
+    internal = False
+
     def __init__(
         self,
         call_id: str,
@@ -67,6 +71,10 @@ class CallState(CallLife):
         self.start_dir: str | None = None
         #: A session's bash call: the session's exports (sandbx_pool.sessions).
         self.session_env: dict[str, str] | None = None
+        #: The network namespace of the session's service to run in (sandbx_pool.services).
+        self.join_network: str | None = None
+        #: Offline with a namespace of its own: TCP on its loopback allowed (a service).
+        self.loopback = False
 
     def journaled_network(self) -> bool | list[str] | None:
         network = self.network

@@ -41,6 +41,11 @@ class LayerUnavailable(SandbxPoolError):
     user namespaces refused, an old kernel). The message says why; so does sandbx-pool doctor."""
 
 
+class ServiceNotRunning(SandbxPoolError):
+    """A write or resize for a service that has ended (or not started yet): the message says
+    how it ended (sandbx_pool.services)."""
+
+
 class UndoConflict(SandbxPoolError):
     """``undo`` refused: a path the call changed was changed again since (by a later call,
     named, or outside the pool). Nothing was changed."""

@@ -40,7 +40,7 @@ RESULT_IN_FLIGHT_S = 5.0
 CRASH_RESULT_GRACE_S = 0.05
 
 #: The tools whose stop begins with SIGTERM and ``CallSettings.grace_s`` to clean up.
-GRACE_TOOLS = frozenset({"bash"})
+GRACE_TOOLS = frozenset({"bash", "_service"})
 
 #: Largest value a limit may carry: setrlimit takes a signed 64-bit rlim_t in the worker.
 MAX_LIMIT = 2**63 - 1

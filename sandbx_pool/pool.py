@@ -97,6 +97,8 @@ from sandbx_pool.scheduling_actions import (
     Signal,
     Watch,
 )
+from sandbx_pool.service_tools import ServiceTools, handles_service_tool
+from sandbx_pool.services import Service, Services, start_service
 from sandbx_pool.sessions import Sessions, check_id
 from sandbx_pool.telemetry import Telemetry, open_telemetry
 from sandbx_pool.template_handle import TemplateHandle
@@ -184,6 +186,10 @@ class Pool:
         self._pins: dict[str, Pin] = {}
         #: Shell sessions (sandbx_pool.sessions): restored from the journal at start.
         self._sessions = Sessions()
+        #: Services (sandbx_pool.services): calls that run until stopped, by name.
+        self._services = Services()
+        #: bash's ``background`` and the service_* tools (sandbx_pool.service_tools).
+        self._service_tools = ServiceTools(self._services, self.service, self._gate)
         #: The network proxy (sandbx_pool.proxy), started by the first allow-listed call.
         self._proxy: ProxyHandle | None = None
         self._finalizer = weakref.finalize(self, release, self._remains)
@@ -458,6 +464,17 @@ class Pool:
         preflight.check_call_arguments(timeout, cwd, env, limits, call_id)
         if session is not None:
             check_id(session)
+        if handles_service_tool(tool, args):
+            return await self._service_tools.run(
+                call_id or f"{self._id_prefix}-{next(self._ids)}",
+                tool,
+                args,
+                journal=self.journal,
+                session=session,
+                cwd=cwd,
+                env=env,
+                network=network,
+            )
         own_network = None if network is None else allow_list.parse_network(network)
         mode = change_mode(changes) if changes is not None else self.changes
         layer = await self._layer_of(workspace, changes)
@@ -505,6 +522,7 @@ class Pool:
             call.start_dir = image_layer.start_dir(image) if image is not None else None
             call.layer_image = image.layer_dirs if image is not None else None
         call.network = own_network
+        call.join_network = self._services.network_of(session)
         run: Callable[[], Awaitable[Outcome]] = partial(self._run, call)
         release = None
         if session is not None:  # before the token: a refused reservation subscribes nothing
@@ -540,7 +558,72 @@ class Pool:
         """Forget a session: its id's next call starts afresh (the journal keeps its history,
         and a pool opened on it later restores the state its last call left). False if the
         pool held no such session."""
-        return self._sessions.forget(session_id)
+        stopped = self._services.stop_session(check_id(session_id))
+        return self._sessions.forget(session_id) or bool(stopped)
+
+    # -- services (sandbx_pool.services) ---------------------------------------------------------
+
+    async def service(
+        self,
+        name: str,
+        command: str,
+        *,
+        session: str | None = None,
+        workspace: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        tty: bool = False,
+        network: bool | list[str] | tuple[str, ...] | None = None,
+    ) -> Service:
+        """Start ``command`` (bash -c) as the service ``name`` and return it once it runs
+        (or has failed to: ``svc.outcome`` says why). Confined, limited and journaled as a
+        bash call, with no timeout: it runs until it exits, ``await svc.stop()``, its
+        session ends (``end_session``) or the pool closes. ``session``: it starts in the
+        session's cwd with its exports and belongs to it; with ``network`` false the
+        session's later calls join its network namespace (sandbx_pool.services). ``tty``: a
+        pseudo-terminal for its stdin, stdout and stderr. ``network``: as a call's (an
+        allow-list only without a session). A bad or running name is a ValueError."""
+        if self.state is not PoolState.OPEN:
+            raise PoolClosed("the pool is not open")
+        service = await start_service(
+            self,
+            self._services,
+            self._launch,
+            self._inbox.send,
+            name,
+            command,
+            call_id=f"{self._id_prefix}-{next(self._ids)}",
+            session=session,
+            workspace=workspace,
+            cwd=cwd,
+            env=env,
+            tty=tty,
+            network=network,
+            session_state=self.session,
+            shared_network=self.views and not self._template_in_user_namespaces(),
+        )
+        return service
+
+    def _template_in_user_namespaces(self) -> bool:
+        return self._template is not None and self._template.user_namespaces
+
+    def services(self) -> list[Service]:
+        """The pool's services, running and ended, in the order they were started."""
+        return list(self._services)
+
+    def _launch(self, call: CallState) -> asyncio.Task[Outcome]:
+        """Drive ``call`` as call() does, for a caller that keeps its task (a service): in
+        flight until it ends, so close() kills it as any call. It takes no call's slot."""
+        if self._services.take_slot():
+            self.admit(self.max_workers + 1)
+        run = partial(self._run, call)
+        driver = asyncio.create_task(call.drive(self.journal, run, self.telemetry))
+        driver.set_name(call.call_id)
+        self._drivers.add(driver)
+        driver.add_done_callback(self._drivers.discard)
+        self._calls[call.call_id] = call
+        driver.add_done_callback(lambda _: self._calls.pop(call.call_id, None))
+        return driver
 
     # -- one call on this machine (its life around it: call_life) -----------------------------
 
@@ -884,7 +967,7 @@ class Pool:
         """Start the network proxy if ``call`` is the first to need it (an allow-listed bash:
         preflight.with_network says why no other tool)."""
         network = call.network if call.network is not None else self.config.sandbox.network
-        if isinstance(network, bool) or call.tool != preflight.PROXIED_TOOL:
+        if isinstance(network, bool) or call.tool not in preflight.PROXIED_TOOLS:
             return
         if self._proxy is None:
             assert self._runtime_dir is not None

@@ -28,10 +28,19 @@ from sandbx_pool.execution import Unsendable, encode_call
 from sandbx_pool.gate import Gate
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.workers.protocol import ExecutionContext, Limits, Sandbox
-from sandbx_pool.workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
+from sandbx_pool.workers.schemas import (
+    RUNS_PROGRAMS,
+    BashArgs,
+    ServiceArgs,
+    UnknownTool,
+    parse_args,
+)
 
 #: The one tool an allow-list lets through the proxy (with_network).
 PROXIED_TOOL = "bash"
+#: The tools an allow-list lets through the proxy: bash, and a service (sandbx_pool.services),
+#: which is a bash command that runs on.
+PROXIED_TOOLS = frozenset({PROXIED_TOOL, "_service"})
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,7 @@ def prepare(call: CallState, pool: PoolSide) -> bytes | Outcome:
     """The checks in order (see above): the encoded Call, or the outcome that refuses it. Sets
     ``call.context``."""
     try:
-        args = parse_args(call.tool, call.raw_args)
+        args = parse_args(call.tool, call.raw_args, internal=call.internal)
     except (UnknownTool, msgspec.ValidationError) as exc:
         return call.outcome(Status.ERROR, error=f"bad arguments: {exc}")
     except RecursionError:
@@ -89,8 +98,14 @@ def prepare(call: CallState, pool: PoolSide) -> bytes | Outcome:
         call_cwd = lexical_paths.resolve_cwd(workspace, cwd)
     except ValueError as exc:
         return call.outcome(Status.DENIED, error=str(exc))
+    # A service runs a command as bash does: the gate judges it as that bash call.
+    gated = (
+        ("bash", BashArgs(command=args.command))
+        if isinstance(args, ServiceArgs)
+        else (call.tool, args)
+    )
     denial = lexical_paths.denial(workspace, call_cwd, args) or pool.gate.denial(
-        call.tool, args, workspace=workspace, cwd=call_cwd
+        *gated, workspace=workspace, cwd=call_cwd
     )
     if denial is not None:
         return call.outcome(Status.DENIED, error=denial)
@@ -144,7 +159,7 @@ def with_network(sandbox: Sandbox, call: CallState, proxy_socket: str | None) ->
     namespace can be made, Landlock's TCP rules hold it)."""
     network = call.network
     listed = isinstance(network, tuple) or (network is None and sandbox.network_allow is not None)
-    if listed and call.tool != PROXIED_TOOL:
+    if listed and call.tool not in PROXIED_TOOLS:
         network = False
     if network is not None:
         allow = None if isinstance(network, bool) else network
@@ -153,6 +168,17 @@ def with_network(sandbox: Sandbox, call: CallState, proxy_socket: str | None) ->
         )
     if sandbox.network_allow is not None:
         sandbox = msgspec.structs.replace(sandbox, proxy_socket=proxy_socket)
+    if call.join_network is not None:
+        # A session's service's namespace (sandbx_pool.services): loopback only, shared.
+        sandbox = msgspec.structs.replace(
+            sandbox,
+            network=False,
+            network_allow=None,
+            join_network=call.join_network,
+            loopback=True,
+        )
+    if call.loopback and not sandbox.network:
+        sandbox = msgspec.structs.replace(sandbox, loopback=True)
     return sandbox
 
 
@@ -167,6 +193,7 @@ def max_output_bytes(config: Config, tool: str) -> int:
 
 __all__ = [
     "PROXIED_TOOL",
+    "PROXIED_TOOLS",
     "PoolSide",
     "call_context",
     "check_call_arguments",

@@ -1,4 +1,4 @@
-"""The seven tools as LLM tool definitions (Anthropic, OpenAI, MCP), from one source of truth.
+"""The tools as LLM tool definitions (Anthropic, OpenAI, MCP), from one source of truth.
 
 Names, argument schemas and descriptions all come from ``workers.schemas``: the schema from
 ``tool_schemas()``, the description from each argument Struct's docstring. ``sandbx-pool schema``
@@ -53,6 +53,19 @@ MCP_ANNOTATIONS: Final[dict[str, dict[str, bool]]] = {
         "destructiveHint": True,
         "idempotentHint": False,
         "openWorldHint": True,
+    },
+    "service_output": {"readOnlyHint": True, "openWorldHint": False},
+    "service_write": {
+        "readOnlyHint": False,
+        "destructiveHint": True,
+        "idempotentHint": False,
+        "openWorldHint": False,
+    },
+    "service_stop": {
+        "readOnlyHint": False,
+        "destructiveHint": True,
+        "idempotentHint": True,
+        "openWorldHint": False,
     },
 }
 

@@ -7,6 +7,7 @@ client's streams records every message on the wire, to check what was (not) sent
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -267,7 +268,8 @@ async def test_lists_the_seven_tools_with_the_schemas_the_pool_validates(
         assert all(value.get("description") for value in properties.values()), tool.name
         assert not hidden & set(tool.input_schema.get("required", []))
         assert tool.annotations is not None
-        assert tool.annotations.read_only_hint is (tool.name in {"read", "ls", "grep", "find"})
+        readers = {"read", "ls", "grep", "find", "service_output"}
+        assert tool.annotations.read_only_hint is (tool.name in readers)
 
 
 # -- calls ----------------------------------------------------------------------------------------
@@ -515,6 +517,34 @@ async def test_bash_runs_an_argv_alone(server: ServerSetup) -> None:
     assert text_of(ran) == "a  b\n[exit code 0]"
     assert neither.is_error
     assert "give command" in text_of(neither)
+
+
+async def test_a_background_command_is_a_service_the_service_tools_reach(
+    server: ServerSetup,
+) -> None:
+    async with connect(server) as (session, _):
+        command = 'echo ready; read -r line; echo "got:$line"; exec sleep 1000'
+        started = await session.call_tool("bash", {"command": command, "background": True})
+        assert not started.is_error, text_of(started)
+        assert started.structured_content is not None
+        name = started.structured_content["service"]
+        assert text_of(started) == (
+            f"[service {name} running; read it with service_output, stop it with service_stop]"
+        )
+        wrote = await session.call_tool("service_write", {"service": name, "data": "hi\n"})
+        assert not wrote.is_error, text_of(wrote)
+        with anyio.fail_after(30):  # the other process's output, polled as a model would
+            for _ in itertools.count():
+                read = await session.call_tool("service_output", {"service": name})
+                if "got:hi" in text_of(read):
+                    break
+                await anyio.sleep(0.05)
+        assert text_of(read) == f"ready\ngot:hi\n[service {name} running] [next: 13]"
+        stopped = await session.call_tool("service_stop", {"service": name})
+        assert text_of(stopped) == f"[service {name} killed]"
+        unknown = await session.call_tool("service_output", {"service": "nope"})
+        assert unknown.is_error
+        assert "no service named 'nope'" in text_of(unknown)
 
 
 def test_a_missing_workspace_is_one_line_at_start(tmp_path: Path) -> None:

@@ -41,7 +41,8 @@ class NetworkUnavailable(Exception):
     """The allow-list cannot be set up: the call must not run (workers.sandbox refuses it)."""
 
 
-def _loopback_up() -> None:
+def loopback_up() -> None:
+    """Bring this network namespace's loopback up (a new one's is down)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         request = struct.pack("16sH22x", b"lo", 0)
         flags = struct.unpack("16sH22x", fcntl.ioctl(sock, _SIOCGIFFLAGS, request))[1]
@@ -93,7 +94,7 @@ def enter(proxy_socket: str | None, allow: tuple[str, ...], call_id: str) -> Lin
         )
     control = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
-        _loopback_up()
+        loopback_up()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind(("127.0.0.1", 0))
             listener.listen(socket.SOMAXCONN)
@@ -111,4 +112,4 @@ def enter(proxy_socket: str | None, allow: tuple[str, ...], call_id: str) -> Lin
     return Link(control, port)
 
 
-__all__ = ["NO_PROXY", "PROXY_TIMEOUT_S", "Link", "NetworkUnavailable", "enter"]
+__all__ = ["NO_PROXY", "PROXY_TIMEOUT_S", "Link", "NetworkUnavailable", "enter", "loopback_up"]

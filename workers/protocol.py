@@ -74,6 +74,13 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     network_allow: tuple[str, ...] | None = None
     #: The proxy's unix socket, where the worker registers its call's listening socket.
     proxy_socket: str | None = None
+    #: A network namespace to join instead of making one (``/proc/PID/ns/net`` of a session's
+    #: service, sandbx_pool.services): the call reaches that service's ports on loopback.
+    join_network: str | None = None
+    #: With ``network`` false and a network namespace of the call's own (or joined): TCP on its
+    #: loopback is allowed (Landlock's network rules are left out), so a service can listen
+    #: and its session's calls connect. Where no namespace can be made the rules still apply.
+    loopback: bool = False
     #: The view is a layer over a container image (workers.image_root): its root is the
     #: overlay of the image's layers, entered with nothing of the host's bound in and left
     #: writable (the layer takes the writes). With ``view`` only.
@@ -220,8 +227,27 @@ class Output(Message, tag="output"):
     secret: str = ""
 
 
+class ServiceInput(Message, tag="service_input"):
+    """Bytes for a running service's stdin (or its terminal's input), after its Call; ``eof``
+    closes its stdin once ``data`` is written (sandbx_pool.services, workers.tools.service)."""
+
+    call_id: str
+    data: bytes = b""
+    eof: bool = False
+
+
+class ServiceResize(Message, tag="service_resize"):
+    """A service's terminal is now ``cols`` x ``rows`` (TIOCSWINSZ); ignored without one."""
+
+    call_id: str
+    cols: int
+    rows: int
+
+
 WorkerMessage = Ready | Result | Output
 CoordinatorMessage = Call
+#: What the coordinator may send a service's worker after its Call.
+ServiceMessage = ServiceInput | ServiceResize
 
 
 # -- coordinator <-> template ----------------------------------------------------------------
@@ -291,5 +317,6 @@ FromTemplate = Spawned | Exited | SpawnFailed | TemplateReady
 encoder = msgspec.msgpack.Encoder()
 worker_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 call_decoder = msgspec.msgpack.Decoder(CoordinatorMessage)
+service_decoder = msgspec.msgpack.Decoder(ServiceMessage)
 to_template_decoder = msgspec.msgpack.Decoder(ToTemplate)
 from_template_decoder = msgspec.msgpack.Decoder(FromTemplate)

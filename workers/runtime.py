@@ -54,7 +54,7 @@ from sandbx_pool.workers.protocol import (
 )
 from sandbx_pool.workers.rules import FileRules
 from sandbx_pool.workers.schemas import RUNS_PROGRAMS, UnknownTool, parse_args
-from sandbx_pool.workers.tools import WORKER_ACTIONS
+from sandbx_pool.workers.tools import WORKER_ACTIONS, service
 from sandbx_pool.workers.tools.bash import SESSION_KEY
 
 #: Exit status of an idle worker that will never get a call: its template died, or its
@@ -367,6 +367,9 @@ def serve(
             call_id=call.context.call_id,
             secret=call.secret,
         )
+    if call.tool == "_service":  # it reads what the caller writes while it runs
+        service.connection = connection
+        service.open_terminal(call.args)
     processes = call.context.limits.processes
     confinement = None
     try:

@@ -214,6 +214,10 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             except netns.NetworkUnavailable as exc:
                 raise SandboxError(str(exc)) from None
             network_namespace = True
+        elif runs_programs and box.join_network is not None:
+            # Before the mounts: the private /proc no longer shows the service's worker.
+            _join_network(box.join_network)
+            network_namespace = True
         # A folder of the pool's workspace, reached without a symlink: what the rules (or the
         # view) are then checked to have been built on, whatever a parallel call swaps meanwhile.
         anchor = paths.reach(ctx.workspace_root, box.view or ctx.workspace)
@@ -253,8 +257,10 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             call = msgspec.structs.replace(call, context=msgspec.structs.replace(ctx, env=env))
             if private:
                 lockdown.new_ipc_namespace()
-            if link is None:
+            if link is None and box.join_network is None:
                 network_namespace = not box.network and _libc.try_unshare(_libc.CLONE_NEWNET) == 0
+                if network_namespace and box.loopback:
+                    netns.loopback_up()  # a new namespace's is down: nothing could connect
         # Every tool, file tools included: a file tool of a root pool is held to file modes as
         # bash is (a capless uid 0 cannot read a file chmod'ed 000), never more powerful than
         # the command the same call could run.
@@ -332,6 +338,27 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
 
 
 # -- the steps ---------------------------------------------------------------------------------
+
+
+def _join_network(path: str) -> None:
+    """Enter the network namespace at ``path`` (a session's service's: sandbx_pool.services),
+    or refuse the call: run in a namespace of its own it would not reach the service, and run
+    in the host's it would be online."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SandboxError(
+            f"cannot join the session's service network ({path}): {exc.strerror or exc}"
+        ) from None
+    try:
+        _libc.setns(fd, _libc.CLONE_NEWNET, what="setns(the session's service network)")
+    except OSError as exc:
+        raise SandboxError(
+            f"cannot join the session's service network: {exc.strerror or exc} (it takes a"
+            " pool with root: workers in user namespaces of their own cannot enter another's)"
+        ) from None
+    finally:
+        os.close(fd)
 
 
 _DIRECTORY_ONLY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -616,7 +643,7 @@ def _rulesets(
         prepared.ruleset = None
     if file_rules is not None:
         file_rules.close()  # nothing left to close once taken
-    if offline and landlock.has_net_rules(abi):
+    if offline and landlock.has_net_rules(abi) and not (box.loopback and network_namespace):
         # A domain of its own, stacked: the fixed rules above were built before we knew.
         handled_net = landlock.NET_BIND_TCP | landlock.NET_CONNECT_TCP
         net = landlock.Ruleset(handled_fs=landlock.REFER, handled_net=handled_net)

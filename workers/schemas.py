@@ -184,8 +184,26 @@ class BashArgs(ToolArgs):
         bool,
         Meta(description="Send stderr into stdout's pipe, keeping their order; stderr is ''."),
     ] = False
+    # Answered by the coordinator (sandbx_pool.service_tools): the command starts as a service
+    # and the value names it; no worker ever runs a bash call with it set.
+    background: Annotated[
+        bool,
+        Meta(
+            description="Start the command as a background service that outlives this call (a"
+            " server, a watcher, a REPL): the result names it at once; read it with"
+            " service_output, type into it with service_write, end it with service_stop."
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
+        if self.background and (
+            self.argv is not None
+            or self.stdin is not None
+            or self.stdin_bytes is not None
+            or self.user is not None
+            or self.merge_stderr
+        ):
+            raise ValueError("background takes a command alone (no argv, stdin, user, merge)")
         if self.argv is not None:
             if not self.argv:
                 raise ValueError("argv must not be empty")
@@ -199,6 +217,44 @@ class BashArgs(ToolArgs):
             raise ValueError("give stdin or stdin_bytes, not both")
 
 
+ServiceName = Annotated[
+    str, Meta(description="The service's name, as bash's background call returned it.")
+]
+
+
+class ServiceOutputArgs(ToolArgs):
+    """Read a background command's output (bash background=true), its status and exit code."""
+
+    service: ServiceName
+    since: Annotated[
+        int,
+        Meta(ge=0, description="Byte offset to read from: 0 for all, the last answer's next."),
+    ] = 0
+
+
+class ServiceWriteArgs(ToolArgs):
+    """Type text into a background command's stdin (or terminal): an answer to its prompt."""
+
+    service: ServiceName
+    data: Annotated[
+        str, Meta(description="The text; end it with a newline when the program reads lines.")
+    ]
+
+
+class ServiceStopArgs(ToolArgs):
+    """Stop a background command and everything it started; says how it ended."""
+
+    service: ServiceName
+
+
+#: Tools the coordinator answers itself, about the services a bash call started in the
+#: background (sandbx_pool.service_tools): no worker runs them.
+SERVICE_TOOL_ARGS: dict[str, type[ToolArgs]] = {
+    "service_output": ServiceOutputArgs,
+    "service_write": ServiceWriteArgs,
+    "service_stop": ServiceStopArgs,
+}
+
 TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "read": ReadArgs,
     "write": WriteArgs,
@@ -207,6 +263,7 @@ TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "grep": GrepArgs,
     "find": FindArgs,
     "bash": BashArgs,
+    **SERVICE_TOOL_ARGS,
 }
 
 
@@ -255,6 +312,22 @@ class LayerDiffArgs(ToolArgs):
     upper: str
 
 
+class ServiceArgs(ToolArgs):
+    """Internal: a long-lived ``bash -c COMMAND`` (sandbx_pool.services): output streamed,
+    stdin (or a terminal) fed by the coordinator, no result until it ends."""
+
+    command: str
+    tty: bool = False
+    cols: int = 80
+    rows: int = 24
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("give command")
+        if not (0 < self.cols < 65536 and 0 < self.rows < 65536):
+            raise ValueError("cols and rows must be from 1 to 65535")
+
+
 #: Actions only the coordinator asks for (journal recovery, change sets); no caller can name
 #: them.
 #: The actions that read and write the workspace for the coordinator: confined like the file
@@ -267,15 +340,16 @@ INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "_undo_changes": UndoChangesArgs,
     "_layer_open": LayerOpenArgs,
     "_layer_diff": LayerDiffArgs,
+    "_service": ServiceArgs,
 }
 
 #: Tools whose effects outlive the call: their journal intent is made durable before they run.
-SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash"})
+SIDE_EFFECT_TOOLS = frozenset({"write", "edit", "bash", "_service", "service_write"})
 
 #: Tools that start programs. Only these get the confinement steps that bound what an exec'd
 #: program can do (workers.sandbox.confine), and a SIGTERM and grace period before SIGKILL
 #: when they are stopped: the others run only our own code, which holds nothing to clean up.
-RUNS_PROGRAMS = frozenset({"bash", "grep"})
+RUNS_PROGRAMS = frozenset({"bash", "grep", "_service"})
 
 #: Tools that run a program (rg) which must follow no symlink in the workspace, whatever a
 #: parallel call swaps in: their mount namespace binds it with symlinks refused

@@ -60,6 +60,10 @@ class OutputSink:
             data = data[:room]
         pending += data
 
+    def room(self, stream: Stream) -> int:
+        """Bytes of ``stream`` the sink takes before its next flush without dropping any."""
+        return CHUNK_BYTES - len(self._pending[stream])
+
     def due_in(self) -> float | None:
         """Seconds until a flush is due (0: now); None when nothing waits."""
         if not any(self._pending.values()) and not any(self._dropped.values()):
@@ -92,6 +96,16 @@ class OutputSink:
                 except OSError:
                     self.broken = True
         self._last_flush = time.monotonic()
+
+    def mark_started(self) -> None:
+        """Tell the coordinator the command runs, confined (a service: workers.tools.service):
+        an Output on ``stderr`` with nothing in it, which no command's output can be (a
+        service's stdout and stderr share ``stdout``)."""
+        message = Output(call_id=self._call_id, stream="stderr", data="", secret=self._secret)
+        try:
+            self._send(encoder.encode(message))
+        except OSError:
+            self.broken = True
 
 
 #: This worker's sink, when its call asked for streaming (set by runtime.serve).

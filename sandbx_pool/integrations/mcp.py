@@ -1,4 +1,4 @@
-"""``sandbx-pool mcp``: the seven tools as an MCP server on stdio, each call run by one Pool.
+"""``sandbx-pool mcp``: the tools as an MCP server on stdio, each call run by one Pool.
 
     MCP client --tools/call (JSON-RPC line on our stdin)--> SDK dispatcher: one task per request
         |  ToolServer.call_tool: pool.call(tool, args, cancel=token, timeout=T) in its own task
@@ -167,7 +167,9 @@ class ToolServer:
     def server(self) -> Server[Any]:
         state = (
             " bash keeps its working directory and exported variables from one call to the"
-            " next (background jobs end with their call), and relative paths start there."
+            " next (background jobs end with their call: bash's background=true starts a"
+            " service that stays, until service_stop or the end of the connection), and"
+            " relative paths start there."
             if self.session is not None
             else " Every bash call starts in the workspace root with a fresh environment."
         )

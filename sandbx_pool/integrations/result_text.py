@@ -39,6 +39,8 @@ def bash_output(value: dict[str, Any]) -> str:
 
 
 def _bash(value: dict[str, Any], args: dict[str, Any]) -> str:
+    if "service" in value:  # background=true: it started and runs on (service_tools)
+        return _service_state(value, started=True)
     text = bash_output(value)
     status = f"[exit code {value.get('exit_code')}"
     if value.get("signal"):
@@ -105,6 +107,29 @@ def _with_truncation(lines: list[str], value: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _service_state(value: dict[str, Any], *, started: bool = False) -> str:
+    name, status = value.get("service"), value.get("status")
+    if status == "running":
+        said = f"[service {name} running"
+        said += "; read it with service_output, stop it with service_stop]" if started else "]"
+        return said
+    code = value.get("exit_code")
+    return f"[service {name} {status}" + ("]" if code is None else f", exit code {code}]")
+
+
+def _service_output(value: dict[str, Any], args: dict[str, Any]) -> str:
+    text = str(value.get("output", ""))
+    return text + _line_break(text) + _service_state(value) + f" [next: {value.get('next')}]"
+
+
+def _service_write(value: dict[str, Any], args: dict[str, Any]) -> str:
+    return f"[{value.get('written')} bytes written] " + _service_state(value)
+
+
+def _service_stop(value: dict[str, Any], args: dict[str, Any]) -> str:
+    return _service_state(value)
+
+
 def _line_break(text: str) -> str:
     return "\n" if text and not text.endswith("\n") else ""
 
@@ -121,4 +146,7 @@ _RENDER: Final = {
     "ls": _ls,
     "write": _write,
     "edit": _edit,
+    "service_output": _service_output,
+    "service_write": _service_write,
+    "service_stop": _service_stop,
 }

@@ -182,12 +182,17 @@ def is_node_lost(status: str, reason: str | None) -> bool:
     return status == Status.CRASHED and reason == NODE_LOST
 
 
+#: A service's call (sandbx_pool.services): the pool's close is how its life ends, not a run
+#: cut short; only one with no outcome at all (its coordinator died) is in doubt.
+SERVICE_TOOL = "_service"
+
+
 def ran_to_an_end(record: OutcomeRecord) -> bool:
     """An outcome after which the call needs no new run: not a shutdown cancel (the *run* was
     stopped, not the call), not a loss with its node, not a refusal by a journal that could
     not be written. Any other outcome (a timeout, a crash of its worker, a token's cancel)
     says what became of the call itself."""
-    if is_shutdown_cancel(record.status, record.killed_by):
+    if is_shutdown_cancel(record.status, record.killed_by) and record.tool != SERVICE_TOOL:
         return False
     if is_node_lost(record.status, record.reason):
         return False

@@ -18,6 +18,7 @@ from sandbx_pool.workers.tools.find import find_paths
 from sandbx_pool.workers.tools.grep import grep_files
 from sandbx_pool.workers.tools.layers import diff_layer, open_layer
 from sandbx_pool.workers.tools.recovery import remove_temps
+from sandbx_pool.workers.tools.service import run_service
 
 ToolFunction = Callable[[Any, ExecutionContext], dict[str, Any]]
 
@@ -39,6 +40,7 @@ WORKER_ACTIONS: dict[str, ToolFunction] = {
     "_undo_changes": undo_changes,
     "_layer_open": open_layer,
     "_layer_diff": diff_layer,
+    "_service": run_service,
 }
 
 __all__ = ["TOOLS", "WORKER_ACTIONS", "ToolFunction"]
