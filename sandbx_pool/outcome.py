@@ -59,6 +59,10 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     for a call that changed nothing; None in direct mode. ``session`` (a call made with
     ``session=``, sandbx_pool.sessions): the session's state after the call, ``{"id",
     "workspace", "cwd", "env", "updated", "note"}`` (``view`` too, in one); None otherwise.
+    ``usage``: what the call's whole process tree cost, ``{"cpu_user_s", "cpu_system_s",
+    "max_rss_bytes", "read_bytes", "write_bytes", "processes", "source"}`` (workers.usage says
+    how each is measured, and what "cgroup" and "rusage" sources mean); None for a call that
+    never started, and for one whose worker is still held by the kernel (quarantined).
     """
 
     call_id: str
@@ -80,6 +84,7 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     node: str | None = None
     changes: list[dict[str, Any]] | None = None
     session: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

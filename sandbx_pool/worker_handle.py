@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from sandbx_pool.workers.procfs import children
+from sandbx_pool.workers.protocol import Usage
 
 #: After SIGKILL a process the kernel does not hold is gone within a millisecond or two. One still
 #: there after this long with a thread in uninterruptible sleep (state D) is held by the kernel,
@@ -64,6 +65,10 @@ class Worker:
         #: The process the kernel holds: the worker itself, or (bash) a descendant of it.
         self.stuck_pid: int | None = None
         self.quarantined_at: float | None = None
+        #: From the template's exit notice: what the worker's tree cost, and whether the
+        #: call's memory limit killed a process of it (workers.usage).
+        self.exit_usage: Usage | None = None
+        self.memory_killed = False
 
     def __repr__(self) -> str:
         return f"<Worker pid={self.pid} {self.state.name}>"
@@ -168,7 +173,11 @@ class Worker:
         leaves = [pid for pid in descendants(self.pid) if not children(pid)]
         return bool(leaves) and all(_stuck_thread(pid) is not None for pid in leaves)
 
-    def mark_exited(self, returncode: int) -> None:
+    def mark_exited(
+        self, returncode: int, usage: Usage | None = None, *, memory_killed: bool = False
+    ) -> None:
+        if not self.exited.done():
+            self.exit_usage, self.memory_killed = usage, memory_killed
         self.state = WorkerState.EXITED
         self._set_gone()
         if not self.exited.done():

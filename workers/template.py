@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import resource
 import select
 import selectors
 import signal
@@ -47,10 +48,12 @@ from sandbx_pool.workers import (
     containment,
     immortal,
     lockdown,
+    memory_cgroup,
     rules,
     runtime,
     sandbox,
     seccomp,
+    usage,
     zmtp,
 )
 from sandbx_pool.workers.procfs import children
@@ -121,9 +124,12 @@ class Template:
         self.selector = selectors.DefaultSelector()
         # The file tools' Landlock ruleset, once the coordinator has said for which workspace.
         self.file_rules: rules.FileRules | None = None
-        self.pids_cgroup, self.process_limit_why = _make_pids_cgroup()
+        self.pids_cgroup, self.process_limit_why, pids_version = _make_pids_cgroup()
+        self.memory_pool, self.memory_limit_why = memory_cgroup.find(self.pids_cgroup, pids_version)
         self.worker_cgroups: dict[int, str] = {}  # worker pid -> its cgroup's name
         self.unremoved: set[str] = set()  # cgroups of reaped workers still to be removed
+        self.memory_cgroups: dict[int, str] = {}  # worker pid -> its v1 memory cgroup's name
+        self.memory_unremoved: set[str] = set()  # v1 memory cgroups still to be removed
 
     @property
     def containment(self) -> str:
@@ -143,9 +149,9 @@ class Template:
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wakeup_read, selectors.EVENT_READ, "signals")
         while True:
-            timeout = CGROUP_RETRY_S if self.unremoved else None
-            ready = self.selector.select(timeout)
-            if self.unremoved:
+            unremoved = self.unremoved or self.memory_unremoved
+            ready = self.selector.select(CGROUP_RETRY_S if unremoved else None)
+            if unremoved:
                 self.remove_worker_cgroups()
             for key, _ in ready:
                 if key.data == "signals":
@@ -215,6 +221,8 @@ class Template:
                 pids_cgroup=self.pids_cgroup.path if self.pids_cgroup is not None else None,
                 process_limit_why=self.process_limit_why,
                 user_namespaces=self.namespaces is not None and self.namespaces.user_namespace,
+                memory_cgroup=self.memory_pool.path if self.memory_pool is not None else None,
+                memory_limit_why=self.memory_limit_why or None,
             )
         )
 
@@ -234,6 +242,8 @@ class Template:
         self.workers.add(pid)
         if self.pids_cgroup is not None:
             self.worker_cgroups[pid] = cgroup
+        if self.memory_pool is not None and not self.memory_pool.shared:
+            self.memory_cgroups[pid] = cgroup
         self.send(Spawned(token=token, pid=pid))
 
     def fork_once(self) -> int:
@@ -292,6 +302,7 @@ class Template:
                 self.own_pidfd,
                 self.file_rules,
                 pids_cgroup=cgroup_path,
+                memory=self.worker_memory(cgroup, cgroup_path),
                 rehearse=self.rehearsed,
             )
         except BaseException:
@@ -303,12 +314,23 @@ class Template:
                 os._exit(70)
         os._exit(0)
 
+    def worker_memory(self, name: str, pids_path: str | None) -> usage.WorkerMemory | None:
+        """Where worker ``name``'s call's memory limit binds: its pids cgroup (v2), or a
+        directory of its own in the v1 memory pool; None: RLIMIT_DATA."""
+        pool = self.memory_pool
+        if pool is None or (pool.shared and pids_path is None):
+            return None
+        path = pids_path if pool.shared and pids_path is not None else pool.worker_path(name)
+        return usage.WorkerMemory(path, pool.version)
+
     def reap(self) -> None:
         exited: list[Exited] = []
         reaped_any = False
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                # wait4: the worker's rusage, with its reaped tree's, for a call it could not
+                # answer (workers.usage).
+                pid, status, rusage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
@@ -316,12 +338,10 @@ class Template:
             reaped_any = True
             if pid in self.workers:
                 self.workers.discard(pid)
-                exited.append(Exited(pid=pid, returncode=os.waitstatus_to_exitcode(status)))
-                if (cgroup := self.worker_cgroups.pop(pid, None)) is not None:
-                    self.unremoved.add(cgroup)
+                exited.append(self.exited(pid, status, rusage))
         # Kill what the worker left in its cgroup (subreaper mode: what setsid() or a double fork
         # took out of its group) before the coordinator hears of the exit.
-        if self.unremoved:
+        if self.unremoved or self.memory_unremoved:
             self.remove_worker_cgroups()
         # Subreaper mode: sweep after every reap, an orphan's included. Killing an orphan
         # reparents its own children to us, and its death (this SIGCHLD) is when to catch them;
@@ -332,13 +352,37 @@ class Template:
         for message in exited:
             self.send(message)
 
+    def exited(self, pid: int, status: int, rusage: resource.struct_rusage) -> Exited:
+        """The notice of worker ``pid``'s exit, with what its tree cost and whether its memory
+        limit killed in it, read from its cgroups before they are removed."""
+        measured = usage.from_wait4(rusage)
+        killed = False
+        if (cgroup := self.worker_cgroups.pop(pid, None)) is not None:
+            assert self.pids_cgroup is not None
+            self.unremoved.add(cgroup)
+            if self.memory_pool is not None and self.memory_pool.shared:
+                path = self.pids_cgroup.worker_path(cgroup)
+                if os.path.isdir(path):  # the worker made it: while idle, or for its call
+                    measured = usage.from_cgroup(path, measured)
+                    killed = memory_cgroup.was_oom_killed(path, 2)
+        if (cgroup := self.memory_cgroups.pop(pid, None)) is not None:
+            assert self.memory_pool is not None
+            self.memory_unremoved.add(cgroup)
+            killed = memory_cgroup.was_oom_killed(self.memory_pool.worker_path(cgroup), 1)
+        returncode = os.waitstatus_to_exitcode(status)
+        return Exited(pid=pid, returncode=returncode, usage=measured, memory_killed=killed)
+
     def remove_worker_cgroups(self) -> None:
-        """Kill what is left in each reaped worker's cgroup and remove it; one try each, the
-        rest on the loop's next turn (a member still exiting keeps it busy)."""
-        assert self.pids_cgroup is not None
+        """Kill what is left in each reaped worker's cgroups and remove them; one try each,
+        the rest on the loop's next turn (a member still exiting keeps it busy)."""
         for cgroup in list(self.unremoved):
+            assert self.pids_cgroup is not None
             if self.pids_cgroup.end_worker(cgroup):
                 self.unremoved.discard(cgroup)
+        for cgroup in list(self.memory_unremoved):
+            assert self.memory_pool is not None
+            if self.memory_pool.end_worker(cgroup):
+                self.memory_unremoved.discard(cgroup)
 
     def sweep_orphans(self) -> None:
         """Subreaper mode: kill what a dead worker's descendants left reparented to us."""
@@ -371,20 +415,22 @@ class Template:
         # next template's cleanup_stale removes it.
         if self.pids_cgroup is not None:
             self.pids_cgroup.close()
+        if self.memory_pool is not None and not self.memory_pool.shared:
+            self.memory_pool.close()
 
 
-def _make_pids_cgroup() -> tuple[cgroups.PoolCgroup | None, str | None]:
-    """The template's pool of worker cgroups, after removing those of dead templates; or None
-    and why the process limit cannot be enforced here."""
+def _make_pids_cgroup() -> tuple[cgroups.PoolCgroup | None, str | None, int | None]:
+    """The template's pool of worker cgroups, after removing those of dead templates, and its
+    cgroup version; or None and why the process limit cannot be enforced here."""
     reasons: list[str] = []
     hierarchy = cgroups.find_pids_hierarchy(reasons)
     if hierarchy is None:
-        return None, "; ".join(reasons)
+        return None, "; ".join(reasons), None
     try:
         hierarchy.cleanup_stale()
-        return hierarchy.create_pool(), None
+        return hierarchy.create_pool(), None, hierarchy.version
     except OSError as exc:
-        return None, f"cannot make the pool's cgroup in {hierarchy.base}: {exc}"
+        return None, f"cannot make the pool's cgroup in {hierarchy.base}: {exc}", None
 
 
 def _wake_loop(signum: int, frame: object) -> None:
