@@ -132,6 +132,9 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
     session: dict[str, Any] | None = None
     #: The hosts the network proxy refused the call (an allow-list): value["network_denied"].
     network_denied: list[str] | None = None
+    #: What the call's process tree cost (Outcome.usage); absent: it never started, or its
+    #: journal was written before usage was recorded.
+    usage: dict[str, Any] | None = None
 
     @classmethod
     def from_outcome(cls, outcome: Outcome, *, time: float, limit: int) -> OutcomeRecord:
@@ -156,6 +159,7 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
             changes=outcome.changes,
             session=outcome.session,
             network_denied=_denied(outcome.value),
+            usage=outcome.usage,
         )
 
 
