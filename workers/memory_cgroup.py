@@ -181,3 +181,20 @@ class WorkerMemory:
             cgroups.enter(self.path)
         limit(self.path, 2, memory_bytes)
         return self.path
+
+
+def probe(pids: cgroups.PidsHierarchy | None) -> tuple[str | None, int | None, str]:
+    """For ``sandbx-pool doctor``, without making anything: where a pool started here would
+    bind memory limits (a directory, its cgroup version), or None and why not."""
+    reasons: list[str] = []
+    if pids is not None and pids.version == 2:
+        try:
+            if "memory" in cgroups.read(f"{pids.origin}/cgroup.controllers").split():
+                return pids.base, 2, ""
+            reasons.append(f"{pids.base}: the memory controller is not delegated")
+        except OSError as exc:
+            reasons.append(f"{pids.origin}: {exc.strerror}")
+    hierarchy = _v1_hierarchy(reasons)
+    if hierarchy is not None:
+        return hierarchy.base, 1, ""
+    return None, None, "; ".join(reasons) or "no memory controller mounted"
