@@ -175,7 +175,8 @@ async def test_a_command_over_the_memory_limit_is_stopped(pool: Pool) -> None:
         limits=Limits(memory_bytes=100 * MiB),
     )
     assert fits.status is Status.OK, fits
-    assert fits.value is not None and fits.value["exit_code"] == 0, fits.value
+    assert fits.value is not None
+    assert fits.value["exit_code"] == 0, fits.value
 
 
 @pytest.mark.needs("per-call memory limit")
@@ -190,7 +191,8 @@ async def test_a_worker_killed_for_the_memory_limit_crashes_with_limit_memory(
     outcome = await pool.call("edit", args, limits=Limits(memory_bytes=64 * MiB))
     assert outcome.status is Status.CRASHED, outcome
     assert outcome.limit == "memory"
-    assert outcome.error is not None and "memory limit exceeded" in outcome.error
+    assert outcome.error is not None
+    assert "memory limit exceeded" in outcome.error
     assert outcome.usage is not None
 
 
@@ -202,8 +204,10 @@ async def test_the_pools_memory_limit_applies_unless_the_call_gives_its_own(
     async with Pool(workspace, journal=tmp_path / "j.jsonl", config=config) as pool:
         limited = await pool.call("bash", {"command": command})
         own = await pool.call("bash", {"command": command}, limits=Limits(memory_bytes=512 * MiB))
-    assert limited.value is not None and limited.value["exit_code"] != 0, limited
-    assert own.status is Status.OK and own.value is not None, own
+    assert limited.value is not None
+    assert limited.value["exit_code"] != 0, limited
+    assert own.status is Status.OK, own
+    assert own.value is not None
     assert own.value["exit_code"] == 0, own.value["stderr"]
 
 

@@ -35,6 +35,7 @@ from sandbx_pool.workers import (
     cgroups,
     changes,
     containment,
+    memory_cgroup,
     overlay,
     sandbox,
     stopping,
@@ -331,7 +332,7 @@ def serve(
     file_rules: FileRules | None = None,
     *,
     pids_cgroup: str | None = None,
-    memory: usage.WorkerMemory | None = None,
+    memory: memory_cgroup.WorkerMemory | None = None,
     rehearse: bool = True,
 ) -> None:
     """Connect, take one call, answer it, exit.

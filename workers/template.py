@@ -314,14 +314,14 @@ class Template:
                 os._exit(70)
         os._exit(0)
 
-    def worker_memory(self, name: str, pids_path: str | None) -> usage.WorkerMemory | None:
+    def worker_memory(self, name: str, pids_path: str | None) -> memory_cgroup.WorkerMemory | None:
         """Where worker ``name``'s call's memory limit binds: its pids cgroup (v2), or a
         directory of its own in the v1 memory pool; None: RLIMIT_DATA."""
         pool = self.memory_pool
         if pool is None or (pool.shared and pids_path is None):
             return None
         path = pids_path if pool.shared and pids_path is not None else pool.worker_path(name)
-        return usage.WorkerMemory(path, pool.version)
+        return memory_cgroup.WorkerMemory(path, pool.version)
 
     def reap(self) -> None:
         exited: list[Exited] = []

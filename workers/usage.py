@@ -35,7 +35,6 @@ import resource
 import msgspec
 
 from sandbx_pool.workers import memory_cgroup
-from sandbx_pool.workers.memory_cgroup import WorkerMemory
 from sandbx_pool.workers.protocol import Call, Result, Usage
 
 #: ru_inblock and ru_oublock count 512-byte units whatever the filesystem's block size.
@@ -198,7 +197,9 @@ class Meter:
         return _from_texts(*texts, fallback, fallback.processes)
 
 
-def begin(call: Call, memory: WorkerMemory | None, joined: bool) -> tuple[Call, Meter]:
+def begin(
+    call: Call, memory: memory_cgroup.WorkerMemory | None, joined: bool
+) -> tuple[Call, Meter]:
     """In the worker, before the confinement: bind the call's memory limit through the
     worker's memory cgroup where there is one (the call then carries no RLIMIT_DATA: see
     workers.runtime), and start measuring the call, from its v2 cgroup where the worker is in
