@@ -25,6 +25,7 @@ SECTIONS = (
     "layers",
     "sessions",
     "network",
+    "usage",
 )
 
 
@@ -43,6 +44,7 @@ class Counts:
     sessions_calls: int = 400
     network_calls: int = 300
     network_downloads: int = 10
+    usage_calls: int = 600
 
 
 QUICK = Counts(
@@ -59,6 +61,7 @@ QUICK = Counts(
     sessions_calls=60,
     network_calls=60,
     network_downloads=3,
+    usage_calls=100,
 )
 
 
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         soak,
         streaming,
         throughput,
+        usage,
     )
     from bench.procs import cpu_snapshot, leftovers, others_share
     from bench.workspace import MARKER, bench_workspace
@@ -165,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.network = network.run(
                         ws, calls=counts.network_calls, downloads=counts.network_downloads
                     )
+                elif section == "usage":
+                    result.usage = usage.run(ws, calls=counts.usage_calls)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

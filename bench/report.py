@@ -35,6 +35,8 @@ from bench.soak import KINDS, SoakResult
 from bench.stats import Samples
 from bench.streaming import IDLE_GAP_S, StreamingResult
 from bench.throughput import ConnectionCost, ThroughputResult
+from bench.usage import UsageResult
+from bench.usage import table as usage_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -59,6 +61,7 @@ class Report:
     layers: LayersResult | None = None
     sessions: SessionsResult | None = None
     network: NetworkResult | None = None
+    usage: UsageResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -714,6 +717,8 @@ def render(report: Report) -> str:
         parts.append(_sessions(report.sessions))
     if report.network is not None:
         parts.append(network_table(report.network))
+    if report.usage is not None:
+        parts.append(usage_table(report.usage))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

@@ -333,6 +333,7 @@ def serve(
     *,
     pids_cgroup: str | None = None,
     memory: memory_cgroup.WorkerMemory | None = None,
+    measure: bool = True,
     rehearse: bool = True,
 ) -> None:
     """Connect, take one call, answer it, exit.
@@ -344,7 +345,8 @@ def serve(
     idle or for a call that runs programs, whose pids.max the call's ``Limits.processes`` sets
     (None: no pids controller is writable here, and the limit is not enforced; ``sandbx-pool
     doctor`` says so). ``memory``: where a call's memory limit binds this worker (None:
-    RLIMIT_DATA instead). ``rehearse``: walk the
+    RLIMIT_DATA instead). ``measure``: answer with what the call cost (workers.usage; False
+    only for the benchmark that weighs it). ``rehearse``: walk the
     call's path once before connecting (False for a light template's workers: see there).
     """
     # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it,
@@ -404,7 +406,7 @@ def serve(
             # outcome cannot name the limit then: nothing records a fork it refused.
             containment.limit_processes_in_own_user_namespace(processes)
         try:
-            call, meter = usage.begin(call, memory, joined)
+            call, meter = usage.begin(call, memory, joined, measure=measure)
         except OSError as exc:
             limit = f"apply the memory limit ({memory_bytes} bytes)"
             raise sandbox.SandboxError(f"cannot {limit}: {exc}") from exc
@@ -441,7 +443,9 @@ def serve(
         if denied:
             value = {**(result.value or {}), "network_denied": denied}
             result = msgspec.structs.replace(result, value=value)
-    result = usage.with_usage(result, meter or usage.Meter(None), memory_bytes)
+    if measure or (meter is not None and memory_bytes is not None):
+        meter = meter or usage.Meter(None)
+        result = usage.with_usage(result, meter, memory_bytes, measure=measure)
     if stop.at is not None:
         if not runs_programs or result.value is None:
             # The coordinator is stopping this call and has no use for a Result without

@@ -96,6 +96,10 @@ EXIT_NO_CGROUP = 71
 #: PID namespaces are available.
 CONTAINMENT_ENV = "SANDBX_POOL_CONTAINMENT"
 
+#: Set to "off" in the template's environment to measure no call (outcome.usage None): for
+#: the benchmark that weighs what measuring costs (bench.usage), not for users.
+USAGE_ENV = "SANDBX_POOL_USAGE"
+
 
 class Template:
     def __init__(self, control: socket.socket, *, rehearsed: bool = True) -> None:
@@ -128,6 +132,7 @@ class Template:
         self.memory_pool, self.memory_limit_why = memory_cgroup.find(self.pids_cgroup, pids_version)
         self.worker_cgroups: dict[int, str] = {}  # worker pid -> its cgroup's name
         self.unremoved: set[str] = set()  # cgroups of reaped workers still to be removed
+        self.measure = os.environ.get(USAGE_ENV) != "off"
         self.memory_cgroups: dict[int, str] = {}  # worker pid -> its v1 memory cgroup's name
         self.memory_unremoved: set[str] = set()  # v1 memory cgroups still to be removed
 
@@ -303,6 +308,7 @@ class Template:
                 self.file_rules,
                 pids_cgroup=cgroup_path,
                 memory=self.worker_memory(cgroup, cgroup_path),
+                measure=self.measure,
                 rehearse=self.rehearsed,
             )
         except BaseException:
@@ -355,12 +361,12 @@ class Template:
     def exited(self, pid: int, status: int, rusage: resource.struct_rusage) -> Exited:
         """The notice of worker ``pid``'s exit, with what its tree cost and whether its memory
         limit killed in it, read from its cgroups before they are removed."""
-        measured = usage.from_wait4(rusage)
+        measured = usage.from_wait4(rusage) if self.measure else None
         killed = False
         if (cgroup := self.worker_cgroups.pop(pid, None)) is not None:
             assert self.pids_cgroup is not None
             self.unremoved.add(cgroup)
-            if self.memory_pool is not None and self.memory_pool.shared:
+            if measured is not None and self.memory_pool is not None and self.memory_pool.shared:
                 path = self.pids_cgroup.worker_path(cgroup)
                 if os.path.isdir(path):  # the worker made it: while idle, or for its call
                     measured = usage.from_cgroup(path, measured)

@@ -131,13 +131,15 @@ class Meter:
     everything the call started is reaped. ``cgroup``: the worker's v2 cgroup with memory
     accounting, joined (None: rusage)."""
 
-    def __init__(self, cgroup: str | None, oom_events: str | None = None) -> None:
+    def __init__(
+        self, cgroup: str | None, oom_events: str | None = None, *, measure: bool = True
+    ) -> None:
         self._fds: list[int] = []
         self._events_fd = self._open(oom_events) if oom_events is not None else None
         self._last_pid_fd: int | None = None
         self._first_pid = 0
         self._cpu_fd = self._peak_fd = self._io_fd = None
-        if os.getpid() == 1:  # a PID namespace of its own: see the module's docstring
+        if measure and os.getpid() == 1:  # a PID namespace of its own: see the docstring
             with contextlib.suppress(OSError):
                 self._last_pid_fd = self._open(_NS_LAST_PID)
                 self._first_pid = int(_pread(self._last_pid_fd))
@@ -198,7 +200,7 @@ class Meter:
 
 
 def begin(
-    call: Call, memory: memory_cgroup.WorkerMemory | None, joined: bool
+    call: Call, memory: memory_cgroup.WorkerMemory | None, joined: bool, *, measure: bool = True
 ) -> tuple[Call, Meter]:
     """In the worker, before the confinement: bind the call's memory limit through the
     worker's memory cgroup where there is one (the call then carries no RLIMIT_DATA: see
@@ -213,11 +215,14 @@ def begin(
         context = msgspec.structs.replace(call.context, limits=limits)
         call = msgspec.structs.replace(call, context=context)
         joined = joined or memory.version == 2
-    in_v2 = memory is not None and memory.version == 2 and joined
-    return call, Meter(memory.path if memory is not None and in_v2 else None, events)
+    in_v2 = measure and memory is not None and memory.version == 2 and joined
+    cgroup = memory.path if memory is not None and in_v2 else None
+    return call, Meter(cgroup, events, measure=measure)
 
 
-def with_usage(result: Result, meter: Meter, memory_bytes: int | None) -> Result:
+def with_usage(
+    result: Result, meter: Meter, memory_bytes: int | None, *, measure: bool = True
+) -> Result:
     """``result`` with what the call cost; ``crashed`` with limit "memory" if the memory
     cgroup's OOM killer ended a process of it (the command may have run on without it: bash
     reports the kill as an exit status, and the value keeps its output)."""
@@ -231,6 +236,6 @@ def with_usage(result: Result, meter: Meter, memory_bytes: int | None) -> Result
                 error=f"memory limit exceeded ({memory_bytes} bytes): the kernel killed a"
                 " process of the call",
             )
-        return msgspec.structs.replace(result, usage=meter.finish())
+        return msgspec.structs.replace(result, usage=meter.finish()) if measure else result
     finally:
         meter.close()
