@@ -10,6 +10,7 @@ RLIMIT_DATA, which doctor reports, and the memory tests take the path doctor say
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import doctor_checks, marked_config
 
-from sandbx_pool import CancelToken, Pool, Status
+from sandbx_pool import CancelToken, Outcome, OutputChunk, Pool, Status
 from sandbx_pool.workers.protocol import Limits
 
 MiB = 1024 * 1024
@@ -124,13 +125,58 @@ async def test_processes_counts_what_the_command_started(pool: Pool) -> None:
     assert outcome.usage["processes"] == 7, outcome.usage
 
 
-async def test_a_call_killed_at_its_timeout_has_its_figures(pool: Pool) -> None:
-    burn = f"{PYTHON} -c 'while True: pass'"
-    outcome = await pool.call("bash", {"command": burn}, timeout=1.0)
-    assert outcome.status is Status.TIMEOUT
+#: A child of bash burns ~0.5 s of CPU, prints its own CPU time, then waits to be stopped.
+BURN_THEN_WAIT = f"""{PYTHON} -c '
+import os, time
+t = time.process_time()
+while time.process_time() - t < 0.5:
+    pass
+times = os.times()
+print(times.user + times.system, flush=True)
+time.sleep(600)
+'"""
+
+
+@pytest.mark.parametrize("grace_s", [1.0, 0.0], ids=["answers-the-sigterm", "sigkilled"])
+async def test_a_cancelled_call_has_the_figures_of_its_whole_tree(
+    workspace: Path, tmp_path: Path, grace_s: float
+) -> None:
+    # With a grace, the worker survives the SIGTERM and measures itself; without one, it is
+    # SIGKILLed and the template's wait4 has the figures: the whole tree only where the worker
+    # is its PID namespace's init (which reaps every process of it as it dies). In subreaper
+    # mode the orphans go to the template, and their CPU is not the call's.
+    if grace_s == 0 and not doctor_checks()["PID namespaces"].ok:
+        pytest.skip("a SIGKILLed worker's tree is reaped into it only in a PID namespace")
+    config = marked_config(pool={"workers": 1}, calls={"grace_s": grace_s})
+    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
+        outcome, measured = await _burn_then_cancel(pool)
+    assert outcome.status is Status.CANCELLED
     assert outcome.usage is not None
-    # It burned CPU for most of its second: the figures are the tree's, the child included.
-    assert outcome.usage["cpu_user_s"] + outcome.usage["cpu_system_s"] > 0.5, outcome.usage
+    # Stopped mid-call, the child included: its CPU is in the figures all the same.
+    cpu = outcome.usage["cpu_user_s"] + outcome.usage["cpu_system_s"]
+    assert cpu >= measured * 0.99, (cpu, measured, outcome.usage)
+    assert within(measured, cpu, share=0.25), (cpu, measured, outcome.usage)
+    if grace_s == 0:  # the template's figures: it cannot know what the namespace counted
+        assert outcome.usage["processes"] is None
+
+
+async def _burn_then_cancel(pool: Pool) -> tuple[Outcome, float]:
+    """Run BURN_THEN_WAIT, cancel it once it has printed, return its outcome and what the
+    child measured of itself."""
+    token, burned = CancelToken(), asyncio.Event()
+    printed: list[str] = []
+
+    def on_output(chunk: OutputChunk) -> None:
+        printed.append(chunk.data)
+        if "\n" in "".join(printed):
+            burned.set()
+
+    call = asyncio.ensure_future(
+        pool.call("bash", {"command": BURN_THEN_WAIT}, cancel=token, on_output=on_output)
+    )
+    await asyncio.wait_for(burned.wait(), 60)
+    token.cancel("burned enough")
+    return await call, float("".join(printed))
 
 
 async def test_a_file_tool_killed_without_an_answer_has_the_templates_figures(
