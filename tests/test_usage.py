@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -23,7 +24,9 @@ import pytest
 from conftest import doctor_checks, marked_config
 
 from sandbx_pool import CancelToken, Outcome, OutputChunk, Pool, Status
+from sandbx_pool.workers.memory_cgroup import oom_kills
 from sandbx_pool.workers.protocol import Limits
+from sandbx_pool.workers.usage import from_cgroup, from_rusage
 
 MiB = 1024 * 1024
 
@@ -294,3 +297,46 @@ async def test_the_journal_keeps_the_figures_and_stats_ranks_the_calls(
     figures = json.loads(_cli("journal", "stats", "--json", str(journal)))["usage"]
     assert figures["top_cpu"][0]["call_id"] == busy.call_id
     assert figures["measured"] == 5
+
+
+# -- cgroup v2's files, as the kernel writes them --------------------------------------------
+
+
+def test_a_v2_cgroups_figures_are_read_from_its_files(tmp_path: Path) -> None:
+    # This machine's cgroup may be v1: the reading of v2's files is checked on their format
+    # (Documentation/admin-guide/cgroup-v2.rst), which the kernel keeps stable.
+    (tmp_path / "cpu.stat").write_text(
+        "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n"
+        "nr_periods 0\nnr_throttled 0\nthrottled_usec 0\n"
+    )
+    (tmp_path / "memory.peak").write_text("209715200\n")
+    (tmp_path / "io.stat").write_text(
+        "8:16 rbytes=1459200 wbytes=314773504 rios=192 wios=353 dbytes=0 dios=0\n"
+        "8:0 rbytes=100 wbytes=200 rios=1 wios=1 dbytes=0 dios=0\n"
+    )
+    fallback = from_rusage(
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+        processes=3,
+    )
+    figures = from_cgroup(str(tmp_path), fallback)
+    assert figures.source == "cgroup"
+    assert (figures.cpu_user_s, figures.cpu_system_s) == (2.0, 0.5)
+    assert figures.max_rss_bytes == 200 * MiB
+    assert (figures.read_bytes, figures.write_bytes) == (1459300, 314773704)
+    assert figures.processes == 3
+    # Without io.stat (the io controller not enabled) the bytes are the rusage's.
+    (tmp_path / "io.stat").unlink()
+    figures = from_cgroup(str(tmp_path), fallback)
+    assert (figures.read_bytes, figures.write_bytes) == (fallback.read_bytes, fallback.write_bytes)
+    # Without memory.peak (before Linux 5.19) the whole figure is the rusage's.
+    (tmp_path / "memory.peak").unlink()
+    assert from_cgroup(str(tmp_path), fallback) == fallback
+
+
+def test_the_oom_kill_count_is_read_from_either_versions_events() -> None:
+    v2 = "low 0\nhigh 0\nmax 12\noom 2\noom_kill 1\noom_group_kill 0\n"
+    v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n"
+    assert oom_kills(v2) == 1
+    assert oom_kills(v1) == 3
+    assert oom_kills("oom_kill_disable 0\nunder_oom 0\n") == 0  # before Linux 4.13
