@@ -340,3 +340,23 @@ def test_the_oom_kill_count_is_read_from_either_versions_events() -> None:
     assert oom_kills(v2) == 1
     assert oom_kills(v1) == 3
     assert oom_kills("oom_kill_disable 0\nunder_oom 0\n") == 0  # before Linux 4.13
+
+
+def test_runs_summary_prints_the_cpu_and_peak_memory_totals(
+    workspace: Path, tmp_path: Path
+) -> None:
+    calls = tmp_path / "calls.jsonl"
+    lines = [
+        {"tool": "bash", "args": {"command": CPU_LOOP}},
+        {"tool": "read", "args": {"path": "hello.txt"}},
+    ]
+    calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = _cli(
+        "run", str(calls), "--workspace", str(workspace), "--journal", str(tmp_path / "j.jsonl")
+    )
+    summary = next(line for line in text.splitlines() if line.startswith("cpu "))
+    # The loop's 1.5 s are in the total; the largest peak is a process's, never nothing.
+    cpu = float(summary.split()[1])
+    assert 1.5 <= cpu < 3.0, summary
+    assert "peak memory: largest call" in summary
+    assert "without figures" not in summary
