@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from sandbx_pool import tree_usage
 from sandbx_pool.call_state import CallState, crash_message
 from sandbx_pool.config import CallSettings
 from sandbx_pool.journal.store import Journal
@@ -180,12 +181,13 @@ def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
 async def killed_usage(call: CallState, worker: Worker, settings: CallSettings) -> Any:
     """What a killed call cost: its worker's own figures when it answered the SIGTERM, else
     the template's, which come with its exit notice (the worker is dead by now, so that
-    notice follows within a moment; bounded all the same)."""
+    notice follows within a moment; bounded all the same), with what its descendants had
+    cost when the SIGKILL went (sandbx_pool.tree_usage says why they are apart)."""
     if call.result.done() and call.result.result().usage is not None:
         return usage_dict(call.result.result().usage)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.shield(worker.exited), settings.kill_wait_s)
-    return usage_dict(worker.exit_usage)
+    return tree_usage.merge(usage_dict(worker.exit_usage), worker.tree_at_kill)
 
 
 async def partial_value(call: CallState, worker: Worker, settings: CallSettings) -> Any:

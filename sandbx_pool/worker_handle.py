@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from sandbx_pool import tree_usage
+from sandbx_pool.tree_usage import TreeFigures
 from sandbx_pool.workers.procfs import children
 from sandbx_pool.workers.protocol import Usage
 
@@ -69,6 +71,8 @@ class Worker:
         #: call's memory limit killed a process of it (workers.usage).
         self.exit_usage: Usage | None = None
         self.memory_killed = False
+        #: What the worker's tree had cost when the SIGKILL went (tree_usage).
+        self.tree_at_kill: TreeFigures | None = None
 
     def __repr__(self) -> str:
         return f"<Worker pid={self.pid} {self.state.name}>"
@@ -142,6 +146,8 @@ class Worker:
             rest_s = max(0.0, grace_s - settle_s - KERNEL_HOLD_RECHECK_S)
             if not held and await self.wait_gone(rest_s):
                 return Stopped(warned=True, quarantined=False)
+        if self.pid is not None and not self.exited.done():
+            self.tree_at_kill = tree_usage.snapshot([self.pid, *descendants(self.pid)])
         self.signal_group(signal.SIGKILL)
         settle_s = min(KERNEL_HOLD_SETTLE_S, kill_wait_s)
         if await self.wait_gone(settle_s):

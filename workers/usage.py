@@ -6,9 +6,10 @@ Two places measure it, for the two ways a call ends:
               runtime): ``Meter``, opened when the call comes (before the confinement, which
               may hide /proc/sys and cgroupfs), read before the Result is sent.
     killed    the template, when it reaps the worker (workers.template): ``from_wait4`` (the
-              rusage wait4 gives, the worker's own and that of every descendant it reaped:
-              in a PID namespace, its whole tree, which the kernel reaps into its init when it
-              dies), or ``from_cgroup`` where the worker had a cgroup with the figures.
+              rusage wait4 gives, the worker's own and that of the descendants it reaped; the
+              coordinator raises it to what /proc held for the whole tree at the kill:
+              sandbx_pool.tree_usage), or ``from_cgroup`` where the worker had a cgroup with
+              the figures (they hold what its members did, gone or not).
 
 Sources. "cgroup" where the worker's cgroup is a v2 one with the memory controller (workers.
 memory_cgroup): cpu.stat's user_usec and system_usec, memory.peak (what the tree held at once,
