@@ -198,3 +198,56 @@ def probe(pids: cgroups.PidsHierarchy | None) -> tuple[str | None, int | None, s
     if hierarchy is not None:
         return hierarchy.base, 1, ""
     return None, None, "; ".join(reasons) or "no memory controller mounted"
+
+
+class WorkerMemories:
+    """The template's side of its workers' memory cgroups: where each worker's call binds its
+    limit, whether the limit killed in it once it is reaped, and (v1) removing its cgroup."""
+
+    def __init__(self, pool: MemoryPool | None) -> None:
+        self.pool = pool
+        self._names: dict[int, str] = {}  # worker pid -> its v1 memory cgroup's name
+        self.unremoved: set[str] = set()  # v1 memory cgroups of reaped workers
+
+    @property
+    def in_pids_cgroups(self) -> bool:
+        """v2: each worker's memory cgroup is its pids cgroup."""
+        return self.pool is not None and self.pool.shared
+
+    def forked(self, pid: int, name: str) -> None:
+        if self.pool is not None and not self.pool.shared:
+            self._names[pid] = name
+
+    def for_worker(self, name: str, pids_path: str | None) -> WorkerMemory | None:
+        """Where worker ``name``'s call's memory limit binds: its pids cgroup ``pids_path``
+        (v2), or a directory of its own in the v1 pool; None: RLIMIT_DATA."""
+        if self.pool is None:
+            return None
+        if self.pool.shared:
+            return None if pids_path is None else WorkerMemory(pids_path, 2)
+        return WorkerMemory(self.pool.worker_path(name), 1)
+
+    def reaped(self, pid: int, pids_path: str | None) -> bool:
+        """Whether the memory limit's OOM killer ended a process of worker ``pid`` (reaped;
+        ``pids_path``: its pids cgroup, if it made one)."""
+        if self.pool is None:
+            return False
+        if self.pool.shared:
+            return pids_path is not None and was_oom_killed(pids_path, 2)
+        name = self._names.pop(pid, None)
+        if name is None:
+            return False
+        self.unremoved.add(name)
+        return was_oom_killed(self.pool.worker_path(name), 1)
+
+    def remove(self) -> None:
+        """v1: kill what is left in each reaped worker's memory cgroup and remove it; one try
+        each, the rest on the template loop's next turn."""
+        assert self.pool is not None or not self.unremoved
+        for name in list(self.unremoved):
+            if self.pool is not None and self.pool.end_worker(name):
+                self.unremoved.discard(name)
+
+    def close(self) -> None:
+        if self.pool is not None and not self.pool.shared:
+            self.pool.close()

@@ -129,12 +129,11 @@ class Template:
         # The file tools' Landlock ruleset, once the coordinator has said for which workspace.
         self.file_rules: rules.FileRules | None = None
         self.pids_cgroup, self.process_limit_why, pids_version = _make_pids_cgroup()
-        self.memory_pool, self.memory_limit_why = memory_cgroup.find(self.pids_cgroup, pids_version)
+        memory_pool, self.memory_limit_why = memory_cgroup.find(self.pids_cgroup, pids_version)
+        self.memories = memory_cgroup.WorkerMemories(memory_pool)
         self.worker_cgroups: dict[int, str] = {}  # worker pid -> its cgroup's name
         self.unremoved: set[str] = set()  # cgroups of reaped workers still to be removed
         self.measure = os.environ.get(USAGE_ENV) != "off"
-        self.memory_cgroups: dict[int, str] = {}  # worker pid -> its v1 memory cgroup's name
-        self.memory_unremoved: set[str] = set()  # v1 memory cgroups still to be removed
 
     @property
     def containment(self) -> str:
@@ -154,7 +153,7 @@ class Template:
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wakeup_read, selectors.EVENT_READ, "signals")
         while True:
-            unremoved = self.unremoved or self.memory_unremoved
+            unremoved = self.unremoved or self.memories.unremoved
             ready = self.selector.select(CGROUP_RETRY_S if unremoved else None)
             if unremoved:
                 self.remove_worker_cgroups()
@@ -226,7 +225,7 @@ class Template:
                 pids_cgroup=self.pids_cgroup.path if self.pids_cgroup is not None else None,
                 process_limit_why=self.process_limit_why,
                 user_namespaces=self.namespaces is not None and self.namespaces.user_namespace,
-                memory_cgroup=self.memory_pool.path if self.memory_pool is not None else None,
+                memory_cgroup=None if self.memories.pool is None else self.memories.pool.path,
                 memory_limit_why=self.memory_limit_why or None,
             )
         )
@@ -247,8 +246,7 @@ class Template:
         self.workers.add(pid)
         if self.pids_cgroup is not None:
             self.worker_cgroups[pid] = cgroup
-        if self.memory_pool is not None and not self.memory_pool.shared:
-            self.memory_cgroups[pid] = cgroup
+        self.memories.forked(pid, cgroup)
         self.send(Spawned(token=token, pid=pid))
 
     def fork_once(self) -> int:
@@ -307,7 +305,7 @@ class Template:
                 self.own_pidfd,
                 self.file_rules,
                 pids_cgroup=cgroup_path,
-                memory=self.worker_memory(cgroup, cgroup_path),
+                memory=self.memories.for_worker(cgroup, cgroup_path),
                 measure=self.measure,
                 rehearse=self.rehearsed,
             )
@@ -319,15 +317,6 @@ class Template:
             finally:
                 os._exit(70)
         os._exit(0)
-
-    def worker_memory(self, name: str, pids_path: str | None) -> memory_cgroup.WorkerMemory | None:
-        """Where worker ``name``'s call's memory limit binds: its pids cgroup (v2), or a
-        directory of its own in the v1 memory pool; None: RLIMIT_DATA."""
-        pool = self.memory_pool
-        if pool is None or (pool.shared and pids_path is None):
-            return None
-        path = pids_path if pool.shared and pids_path is not None else pool.worker_path(name)
-        return memory_cgroup.WorkerMemory(path, pool.version)
 
     def reap(self) -> None:
         exited: list[Exited] = []
@@ -347,7 +336,7 @@ class Template:
                 exited.append(self.exited(pid, status, rusage))
         # Kill what the worker left in its cgroup (subreaper mode: what setsid() or a double fork
         # took out of its group) before the coordinator hears of the exit.
-        if self.unremoved or self.memory_unremoved:
+        if self.unremoved or self.memories.unremoved:
             self.remove_worker_cgroups()
         # Subreaper mode: sweep after every reap, an orphan's included. Killing an orphan
         # reparents its own children to us, and its death (this SIGCHLD) is when to catch them;
@@ -362,19 +351,16 @@ class Template:
         """The notice of worker ``pid``'s exit, with what its tree cost and whether its memory
         limit killed in it, read from its cgroups before they are removed."""
         measured = usage.from_wait4(rusage) if self.measure else None
-        killed = False
+        path = None
         if (cgroup := self.worker_cgroups.pop(pid, None)) is not None:
             assert self.pids_cgroup is not None
             self.unremoved.add(cgroup)
-            if measured is not None and self.memory_pool is not None and self.memory_pool.shared:
-                path = self.pids_cgroup.worker_path(cgroup)
-                if os.path.isdir(path):  # the worker made it: while idle, or for its call
-                    measured = usage.from_cgroup(path, measured)
-                    killed = memory_cgroup.was_oom_killed(path, 2)
-        if (cgroup := self.memory_cgroups.pop(pid, None)) is not None:
-            assert self.memory_pool is not None
-            self.memory_unremoved.add(cgroup)
-            killed = memory_cgroup.was_oom_killed(self.memory_pool.worker_path(cgroup), 1)
+            path = self.pids_cgroup.worker_path(cgroup)
+            if not os.path.isdir(path):  # the worker never made it (a busy file tool's)
+                path = None
+        killed = self.memories.reaped(pid, path)
+        if measured is not None and path is not None and self.memories.in_pids_cgroups:
+            measured = usage.from_cgroup(path, measured)  # v2, with memory accounting
         returncode = os.waitstatus_to_exitcode(status)
         return Exited(pid=pid, returncode=returncode, usage=measured, memory_killed=killed)
 
@@ -385,10 +371,7 @@ class Template:
             assert self.pids_cgroup is not None
             if self.pids_cgroup.end_worker(cgroup):
                 self.unremoved.discard(cgroup)
-        for cgroup in list(self.memory_unremoved):
-            assert self.memory_pool is not None
-            if self.memory_pool.end_worker(cgroup):
-                self.memory_unremoved.discard(cgroup)
+        self.memories.remove()
 
     def sweep_orphans(self) -> None:
         """Subreaper mode: kill what a dead worker's descendants left reparented to us."""
@@ -421,8 +404,7 @@ class Template:
         # next template's cleanup_stale removes it.
         if self.pids_cgroup is not None:
             self.pids_cgroup.close()
-        if self.memory_pool is not None and not self.memory_pool.shared:
-            self.memory_pool.close()
+        self.memories.close()
 
 
 def _make_pids_cgroup() -> tuple[cgroups.PoolCgroup | None, str | None, int | None]:
