@@ -23,8 +23,10 @@ SECTIONS = (
     "oneshot",
     "changes",
     "layers",
+    "images_layer",
     "sessions",
     "network",
+    "trajectory",
     "usage",
 )
 
@@ -44,6 +46,10 @@ class Counts:
     sessions_calls: int = 400
     network_calls: int = 300
     network_downloads: int = 10
+    percall_rounds: int = 8  # issue 40's rows, in the latency section
+    percall_per_round: int = 10
+    parallel_calls: int = 600  # issue 40's rows, in the throughput section
+    trajectory_rounds: int = 5
     usage_calls: int = 600
 
 
@@ -61,6 +67,10 @@ QUICK = Counts(
     sessions_calls=60,
     network_calls=60,
     network_downloads=3,
+    percall_rounds=2,
+    percall_per_round=5,
+    parallel_calls=160,
+    trajectory_rounds=1,
     usage_calls=100,
 )
 
@@ -102,16 +112,20 @@ def main(argv: list[str] | None = None) -> int:
         changes,
         cluster,
         hung,
+        images_layer,
         latency,
         layers,
         network,
         oneshot,
+        parallel,
+        percall,
         report,
         search,
         sessions,
         soak,
         streaming,
         throughput,
+        trajectory,
         usage,
     )
     from bench.procs import cpu_snapshot, leftovers, others_share
@@ -140,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             before = cpu_snapshot()
             try:
                 if section == "latency":
+                    result.percall = percall.run(
+                        ws, rounds=counts.percall_rounds, per_round=counts.percall_per_round
+                    )
                     result.latency = latency.run(ws, calls=counts.latency_calls)
                 elif section == "cancel":
                     result.cancel = cancel.run(ws, count=counts.cancels)
@@ -147,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                     result.hung = hung.run(ws, count=counts.hung_stops)
                 elif section == "throughput":
                     result.throughput = throughput.run(ws, calls=counts.throughput_calls)
+                    result.parallel = parallel.run(ws, calls=counts.parallel_calls)
                 elif section == "soak":
                     calls = args.soak_calls or counts.soak_calls
                     result.soak = soak.run(ws, calls=calls, seed=args.seed)
@@ -163,12 +181,16 @@ def main(argv: list[str] | None = None) -> int:
                     result.changes = changes.run(ws, calls=counts.changes_calls)
                 elif section == "layers":
                     result.layers = layers.run(ws, samples=counts.layer_samples)
+                elif section == "images_layer":
+                    result.images_layer = images_layer.run(ws, samples=counts.layer_samples)
                 elif section == "sessions":
                     result.sessions = sessions.run(ws, calls=counts.sessions_calls)
                 elif section == "network":
                     result.network = network.run(
                         ws, calls=counts.network_calls, downloads=counts.network_downloads
                     )
+                elif section == "trajectory":
+                    result.trajectory = trajectory.run(ws, rounds=counts.trajectory_rounds)
                 elif section == "usage":
                     result.usage = usage.run(ws, calls=counts.usage_calls)
             except Exception as exc:  # the other sections still get measured and reported

@@ -16,17 +16,21 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from bench import cancel, hung, latency, search, throughput
+from bench import cancel, executors_report, hung, latency, search, throughput
 from bench.cancel import CancelResult
 from bench.changes import BIG_MIB, FILES, ChangesResult
 from bench.changes import MODES as CHANGE_MODES
 from bench.cluster import LOCAL, RAY, ClusterResult
 from bench.hung import HungResult
+from bench.images_layer import ImagesLayerResult
+from bench.images_layer import render as render_images_layer
 from bench.latency import LatencyResult
 from bench.layers import BASE_FILES, CHANGED, LayersResult
 from bench.network import INDEX_NAME, NetworkResult
 from bench.network import MODES as NETWORK_MODES
 from bench.oneshot import RATIO_BAR, OneShotResult
+from bench.parallel import ParallelResult
+from bench.percall import PerCallResult
 from bench.procs import Leftovers
 from bench.search import SearchResult
 from bench.sessions import COMMAND as SESSION_COMMAND
@@ -35,6 +39,7 @@ from bench.soak import KINDS, SoakResult
 from bench.stats import Samples
 from bench.streaming import IDLE_GAP_S, StreamingResult
 from bench.throughput import ConnectionCost, ThroughputResult
+from bench.trajectory import TrajectoryResult
 from bench.usage import UsageResult
 from bench.usage import table as usage_table
 
@@ -59,8 +64,13 @@ class Report:
     oneshot: OneShotResult | None = None
     changes: ChangesResult | None = None
     layers: LayersResult | None = None
+    images_layer: ImagesLayerResult | None = None
     sessions: SessionsResult | None = None
     network: NetworkResult | None = None
+    #: issue 40: per call and 8 in flight against the command executors, and the trajectory
+    percall: PerCallResult | None = None
+    parallel: ParallelResult | None = None
+    trajectory: TrajectoryResult | None = None
     usage: UsageResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
@@ -507,6 +517,8 @@ def _bars(report: Report) -> str:
             f"{ratio:.1f}x",
             ratio <= RATIO_BAR,
         )
+    for name, target, value, met in executors_report.bars(report.percall):
+        bar(name, target, value, met)
     if report.final_left is not None:
         final = report.final_left
         bar("processes left at the end of the run", "0", _left(final), final.count == 0)
@@ -691,6 +703,8 @@ def network_table(result: NetworkResult) -> str:
 
 def render(report: Report) -> str:
     parts = [_header(report)]
+    if report.percall is not None:
+        parts.append(executors_report.percall_section(report.percall))
     if report.latency is not None:
         parts.append(_latency(report.latency))
     if report.cancel is not None:
@@ -699,6 +713,8 @@ def render(report: Report) -> str:
         parts.append(_hung(report.hung))
     if report.throughput is not None:
         parts.append(_throughput(report.throughput))
+    if report.parallel is not None:
+        parts.append(executors_report.parallel_section(report.parallel))
     if report.soak is not None:
         parts.append(_soak(report.soak))
     if report.streaming is not None:
@@ -713,10 +729,14 @@ def render(report: Report) -> str:
         parts.append(_changes(report.changes))
     if report.layers is not None:
         parts.append(_layers(report.layers))
+    if report.images_layer is not None:
+        parts.append(render_images_layer(report.images_layer, table, ms))
     if report.sessions is not None:
         parts.append(_sessions(report.sessions))
     if report.network is not None:
         parts.append(network_table(report.network))
+    if report.trajectory is not None:
+        parts.append(executors_report.trajectory_section(report.trajectory))
     if report.usage is not None:
         parts.append(usage_table(report.usage))
     for section, error in report.failed.items():

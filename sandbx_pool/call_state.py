@@ -14,6 +14,7 @@ from sandbx_pool.worker_handle import Worker
 from sandbx_pool.workers.protocol import ExecutionContext, Limits, Output, Result
 
 if TYPE_CHECKING:
+    from sandbx_pool.images.image import Image
     from sandbx_pool.layers import Layer
 
 
@@ -57,6 +58,13 @@ class CallState(CallLife):
         self.layer_dir: str | None = None
         self.layer_base: str | None = None
         self.layer_mount: str | None = None
+        #: A layer over an image: its layer directories (the overlay's lowers), and the image
+        #: (its Env and WorkingDir: sandbx_pool.image_layer).
+        self.layer_image: tuple[str, ...] | None = None
+        self.image: Image | None = None
+        #: Where the call starts when it names no cwd, relative paths in a view being the
+        #: view's: an image's WorkingDir (sandbx_pool.image_layer.start_dir). None: the root.
+        self.start_dir: str | None = None
         #: A session's bash call: the session's exports (sandbx_pool.sessions).
         self.session_env: dict[str, str] | None = None
 

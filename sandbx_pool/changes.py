@@ -13,8 +13,14 @@
         an ``applying`` record, durable, comes first, the outcome (with ``changes``) after:
         a coordinator killed in between has the apply finished when the journal is reopened
         (finish_interrupted), from the kept upper directory and pre-images
+        the worker writes the change list to J.d/changes/<id>/report.json (read here: it may
+        be far longer than a Result), and answers what kept it from applying: a directory
+        swapped for a symlink (CONFLICT), a change set past max_change_paths or
+        max_change_bytes (CHANGE_SET_TOO_LARGE); protected paths are never applied
     undo(call_id) --> a worker puts back the pre-images the apply kept (J.d/objects), unless
-        a path is no longer what the call left (UndoConflict, naming the later call)
+        images.json or an object is not what the call's outcome journaled (images_sha256), or
+        a path is no longer what the call left (UndoConflict, naming the later call); a second
+        undo is a ValueError ("already undone")
 
 Applies and undos are one at a time (``ChangeSets.lock``): the conflict check and the apply it
 allows are one step, so two calls that changed one path cannot both pass it. The check is by
@@ -44,10 +50,17 @@ from sandbx_pool.journal.writer import JournalWriteError
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.workers.protocol import CHANGES_LISTED
+from sandbx_pool.workers.protocol import ChangeReport as Report
+from sandbx_pool.workers.protocol import change_report_decoder as report_decoder
 
 #: The ``reason`` of an outcome written on reopen for a call whose apply a coordinator began
 #: and did not finish.
 APPLIED_ON_REOPEN = "its changes were applied when the journal was reopened"
+
+#: The error_code of a call whose change set passed [workspace] max_change_paths or bytes.
+CHANGE_SET_TOO_LARGE = "CHANGE_SET_TOO_LARGE"
+#: The apply worker's change list, in the call's directory of J.d.
+REPORT = "report.json"
 
 #: Runs one of the coordinator's own actions on a worker: (call id, action, args, workspace).
 RunInternal = Callable[[str, str, dict[str, Any], str], Awaitable[Outcome]]
@@ -75,6 +88,9 @@ class ChangeSets:
     """Where a pool's change sets live, and which paths each applied call set, when."""
 
     root: str  # J.d
+    #: [workspace] max_change_paths, max_change_bytes: a larger change set is not applied.
+    max_paths: int | None = None
+    max_bytes: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     #: (monotonic time of the apply, call id, paths), oldest first.
     applied: list[tuple[float, str, frozenset[str]]] = field(default_factory=list)
@@ -88,6 +104,10 @@ class ChangeSets:
 
     def images(self, call_id: str) -> str:
         return os.path.join(self.call_dir(call_id), "images.json")
+
+    def report(self, call_id: str) -> str:
+        """Where the apply worker writes the change list (out of band: it may be long)."""
+        return os.path.join(self.call_dir(call_id), REPORT)
 
     def make_call_dir(self, call_id: str) -> str:
         """The call's upper and work directories, made fresh (an earlier attempt's, with the
@@ -147,7 +167,30 @@ class ChangeSets:
             "objects": self.objects,
             "apply": apply,
             "taken": taken,
+            "report": self.report(call_id),
+            "max_paths": self.max_paths,
+            "max_bytes": self.max_bytes,
         }
+
+    def _read_undo_report(self, call_id: str) -> Report | None:
+        try:
+            with open(self.report(call_id) + ".undo", "rb") as f:
+                return report_decoder.decode(f.read())
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("undo of {}: its report cannot be read: {}", call_id, exc)
+            return None
+
+    def _read_report(self, call_id: str, done: Outcome) -> Report | None:
+        """The change list the apply worker wrote; None when it answered nothing (it failed
+        before, and ``done`` says why) or the report is unreadable."""
+        if done.value is None:
+            return None
+        try:
+            with open(self.report(call_id), "rb") as f:
+                return report_decoder.decode(f.read())
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("call {}: its change list cannot be read: {}", call_id, exc)
+            return None
 
     async def settle(
         self,
@@ -185,10 +228,13 @@ class ChangeSets:
                     outcome = msgspec.structs.replace(outcome, status=Status.ERROR, error=error)
             args = self._apply_args(call_id, apply, taken)
             done = await run(f"{call_id}-changes", "_apply_changes", args, workspace)
-            if done.value is not None and done.value.get("applied"):
-                paths = frozenset(change["path"] for change in done.value["changes"])
-                self.record(call_id, paths, oldest_running=oldest_running)
-        return with_changes(outcome, done)
+            report = self._read_report(call_id, done)
+            if report is not None:
+                # Whatever the answer, what landed counts for the later calls' conflicts.
+                paths = frozenset(c["path"] for c in report.changes if c.get("applied"))
+                if paths:
+                    self.record(call_id, paths, oldest_running=oldest_running)
+        return with_changes(outcome, done, report, applying=apply)
 
     async def finish_interrupted(self, journal: Journal, run: RunInternal) -> None:
         """Finish the applies a coordinator began and did not end (an ``applying`` record, no
@@ -204,6 +250,7 @@ class ChangeSets:
                 continue
             args = self._apply_args(record.call_id, True, {})
             done = await run(f"{record.call_id}-changes", "_apply_changes", args, record.workspace)
+            report = self._read_report(record.call_id, done)
             status = Status(record.status) if record.status in set(Status) else Status.OK
             outcome = Outcome(
                 call_id=record.call_id,
@@ -212,7 +259,7 @@ class ChangeSets:
                 reason=APPLIED_ON_REOPEN,
                 started=True,
             )
-            outcome = with_changes(outcome, done)
+            outcome = with_changes(outcome, done, report)
             if outcome.changes is not None:
                 logger.info("call {}: {}", record.call_id, APPLIED_ON_REOPEN)
             await journal.settle(outcome)
@@ -231,8 +278,18 @@ class ChangeSets:
                     f"cannot undo {call_id}: it was tracked by listing the workspace (no"
                     " overlay here), which keeps no pre-images"
                 )
-            position, workspace = applied_call(scan.records, call_id, journal.path)
-            args = {"images": self._pre_images(call_id), "objects": self.objects}
+            position, workspace, digest = applied_call(scan.records, call_id, journal.path)
+            if digest is None:
+                raise ValueError(
+                    f"cannot undo {call_id}: no hash of its pre-images was journaled with its"
+                    " changes (an older sandbx-pool applied them), so they cannot be trusted"
+                )
+            args = {
+                "images": self._pre_images(call_id),
+                "objects": self.objects,
+                "images_sha256": digest,
+                "report": self.report(call_id) + ".undo",
+            }
             done = await run(f"{call_id}-undo", "_undo_changes", args, workspace)
             value = done.value
             if value is None:
@@ -240,32 +297,64 @@ class ChangeSets:
             if value.get("missing"):
                 missing = ", ".join(value["missing"])
                 raise ValueError(f"cannot undo {call_id}: the pre-images of {missing} are missing")
+            if value.get("forged"):
+                forged = value["forged"]
+                raise UndoConflict(
+                    f"cannot undo {call_id}: its kept pre-images ({forged}) are not what was"
+                    " journaled with its changes (a hash mismatch); nothing was changed",
+                    forged,
+                    None,
+                )
             if not value["undone"]:
                 path = value["changed"][0]
                 later = _later_change(scan.records[position + 1 :], path)
                 by = f"by call {later}" if later is not None else "outside the pool"
+                what = "nothing was changed"
+                if value.get("partly"):
+                    # Swapped between the check and the write: it stopped there, never wrote
+                    # through it; what it had put back stays so, and is journaled.
+                    report = self._read_undo_report(call_id)
+                    if report is not None and report.undone:
+                        await journal.undone(call_id, report.undone)
+                    what = "it stopped there; what it had put back is journaled as undone"
                 raise UndoConflict(
-                    f"cannot undo {call_id}: {path} was changed {by} since; nothing was changed",
+                    f"cannot undo {call_id}: {path} was changed {by} since; {what}",
                     path,
                     later,
                 )
-            paths: list[str] = value["paths"]
+            undo_report = self._read_undo_report(call_id)
+            if undo_report is None:
+                raise ValueError(f"cannot undo {call_id}: its undo's report is unreadable")
+            paths = undo_report.undone
+            if undo_report.protected:
+                logger.warning(
+                    "undo of {}: protected paths left as they are: {}",
+                    call_id,
+                    ", ".join(undo_report.protected),
+                )
             self.record(f"undo of {call_id}", frozenset(paths), oldest_running=oldest_running)
             await journal.undone(call_id, paths)
             return paths
 
 
-def applied_call(records: list[Any], call_id: str, journal_path: str) -> tuple[int, str]:
-    """Where the call's latest applied outcome is in ``records``, and its workspace."""
+def applied_call(
+    records: list[Any], call_id: str, journal_path: str
+) -> tuple[int, str, str | None]:
+    """Where the call's latest applied outcome is in ``records``, its workspace, and the hash
+    of its images journaled with it. ValueError when there is nothing to undo, the call's
+    undo already journaled included."""
     found: tuple[int, OutcomeRecord] | None = None
     workspace: str | None = None
+    undone = False
     for position, record in enumerate(records):
         if record.call_id != call_id:
             continue
         if isinstance(record, OutcomeRecord):
-            found = (position, record)
+            found, undone = (position, record), False
         elif isinstance(record, ApplyingRecord):
             workspace = record.workspace
+        elif isinstance(record, UndoneRecord):
+            undone = True
     if found is None:
         raise ValueError(f"no call {call_id!r} in the journal {journal_path}")
     position, outcome = found
@@ -273,7 +362,9 @@ def applied_call(records: list[Any], call_id: str, journal_path: str) -> tuple[i
         raise ValueError(f"call {call_id} ran in direct mode: it has no changes to undo")
     if workspace is None or not any(change.get("applied") for change in outcome.changes):
         raise ValueError(f"call {call_id}'s changes were never applied: nothing to undo")
-    return position, workspace
+    if undone:
+        raise ValueError(f"call {call_id} was already undone")
+    return position, workspace, outcome.images_sha256
 
 
 def _later_change(records: list[Any], path: str) -> str | None:
@@ -288,14 +379,45 @@ def _later_change(records: list[Any], path: str) -> str | None:
     return None
 
 
-def with_changes(outcome: Outcome, done: Outcome) -> Outcome:
-    """``outcome`` with what ``_apply_changes`` answered: the change list, a conflict (status
-    error, CONFLICT), or the reason the change set could not be read or applied."""
+def with_changes(
+    outcome: Outcome, done: Outcome, report: Report | None, *, applying: bool = True
+) -> Outcome:
+    """``outcome`` with what ``_apply_changes`` did (``report``, its change list: exactly the
+    paths applied are ``applied``): a conflict (status error, CONFLICT), a change set too
+    large (CHANGE_SET_TOO_LARGE), the protected paths set aside, or the reason the change set
+    could not be read or applied."""
     value = done.value
-    if value is None:
-        error = f"the call's changes could not be read or applied: {done.error}"
+    if value is None or report is None:
+        why = done.error if value is None else "its change list is unreadable"
+        error = f"the call's changes could not be read or applied: {why}"
         return msgspec.structs.replace(outcome, status=Status.ERROR, error=error, changes=None)
-    listed: list[dict[str, Any]] = value["changes"]
+    listed = report.changes
+    outcome = msgspec.structs.replace(
+        outcome, changes=listed, images_sha256=value.get("images_sha256")
+    )
+    if report.protected and value.get("applied"):
+        outcome = _protected_set_aside(outcome, report.protected)
+    if value.get("too_large") and applying:
+        # (A change set that was not to be applied anyway keeps its call's status: it is only
+        # not listed, past the bound.)
+        error = (
+            f"the call's change set is too large: {value['too_large']}; nothing was applied"
+            " (it is kept beside the journal)"
+        )
+        return msgspec.structs.replace(
+            outcome, status=Status.ERROR, error=error, error_code=CHANGE_SET_TOO_LARGE
+        )
+    swapped = value.get("swapped")
+    if swapped is not None:
+        landed = sum(1 for change in listed if change.get("applied"))
+        what = f"only {landed} of its paths were applied" if landed else "nothing was applied"
+        error = (
+            f"conflict: {swapped} is no longer a directory (a symlink or a file) since the"
+            f" call's changes were scanned; {what}"
+        )
+        return msgspec.structs.replace(
+            outcome, status=Status.ERROR, error=error, error_code="CONFLICT"
+        )
     conflict = value.get("conflict")
     if conflict is not None and outcome.status is Status.OK:
         error = (
@@ -303,14 +425,25 @@ def with_changes(outcome: Outcome, done: Outcome) -> Outcome:
             " call ran; its changes were not applied"
         )
         return msgspec.structs.replace(
-            outcome, status=Status.ERROR, error=error, error_code="CONFLICT", changes=listed
+            outcome, status=Status.ERROR, error=error, error_code="CONFLICT"
         )
-    return msgspec.structs.replace(outcome, changes=listed)
+    return outcome
+
+
+def _protected_set_aside(outcome: Outcome, paths: list[str]) -> Outcome:
+    """The protected paths of an applied change set, listed in the value's
+    ``protected_set_aside`` as bash lists what it set aside: never applied (the workspace's
+    stays as it was: ``restored``), the call's version kept in its change set only."""
+    entries = [{"path": path, "to": None, "restored": True} for path in paths]
+    value = dict(outcome.value or {})
+    value["protected_set_aside"] = [*value.get("protected_set_aside", []), *entries]
+    return msgspec.structs.replace(outcome, value=value)
 
 
 __all__ = [
     "APPLIED_ON_REOPEN",
     "CHANGES_SUFFIX",
+    "CHANGE_SET_TOO_LARGE",
     "ChangeMode",
     "ChangeSets",
     "applied_call",

@@ -24,6 +24,7 @@ from sandbx_pool.workers.hooks_path import TOKEN as HOOKS_PATH
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Limits, Sandbox
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 #: The widest integer the protocol carries to a worker (msgpack int64, setrlimit's rlim_t).
 MAX_INT = 2**63 - 1
@@ -68,6 +69,10 @@ class WorkspaceSettings(_Section):
     changes: str = "direct"
     #: The layer store (sandbx_pool.layers): "" is the per-user default, layers_dir().
     layers: str = ""
+    #: A tracked or transactional call's change set past either is not applied (the call
+    #: ends error, CHANGE_SET_TOO_LARGE): the paths it lists, the bytes of files it writes.
+    max_change_paths: Annotated[int, Meta(ge=1)] = 100_000
+    max_change_bytes: Annotated[int, Meta(ge=1)] = 4 * GiB
 
     def layers_dir(self) -> str:
         """Where the pool's layers live: ``layers``, or $XDG_DATA_HOME/sandbx-pool/layers

@@ -2,7 +2,12 @@
 
     <store>/                          0700 (0711 for a pool whose calls run as another user)
         <name>/                       one layer, made whole by one rename (nothing half made)
-            layer.json                {"v", "name", "base"}: the base's real path, recorded
+            layer.json                {"v", "name", "base"}: the base's real path, recorded;
+                                      over an image, "base" null and "image": the Image
+                                      record (its digest, layers and their directories)
+            skel/  run/               over an image only: the top lower holding the mount
+                                      points a call needs, where a call's /etc files are
+                                      written (workers.image_root)
             upper/  work/             the overlay's upper and work directories
             root/                     an empty directory: the layer's mount point, the path a
                                       call in the layer names as its workspace
@@ -64,24 +69,52 @@ def read_meta(store: str, name: str) -> dict[str, object] | None:
         return None
     except (OSError, ValueError) as exc:
         raise ValueError(f"layer {name!r}: its record {META} is unreadable: {exc}") from exc
-    if not isinstance(meta, dict) or not isinstance(meta.get("base"), str):
+    if not isinstance(meta, dict):
+        raise ValueError(f"layer {name!r}: its record {META} is not a layer's")
+    over_base = isinstance(meta.get("base"), str)
+    over_image = meta.get("base") is None and isinstance(meta.get("image"), dict)
+    if not (over_base or over_image):
         raise ValueError(f"layer {name!r}: its record {META} is not a layer's")
     return meta
 
 
-def begin(store: str, name: str, *, mode: int) -> str:
-    """A fresh ``.new-<owner>-<random>`` directory with empty upper, work and root."""
+#: The top lower of a layer over an image (workers.image_root): the mount points every call
+#: needs, so that none is made in the layer's upper directory (its diff would list it).
+SKELETON_DIRS = ("proc", "sys", "dev", "etc")
+SKELETON_FILES = ("etc/hosts", "etc/hostname", "etc/resolv.conf")
+
+
+def _make_skeleton(layer: str) -> None:
+    skel = os.path.join(layer, "skel")
+    os.mkdir(skel, 0o755)
+    for name in SKELETON_DIRS:
+        os.mkdir(os.path.join(skel, name), 0o755)
+    for name in SKELETON_FILES:
+        os.close(os.open(os.path.join(skel, name), os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+    os.mkdir(os.path.join(layer, "run"), 0o700)
+
+
+def begin(store: str, name: str, *, mode: int, image: bool = False) -> str:
+    """A fresh ``.new-<owner>-<random>`` directory with empty upper, work and root (and, for
+    a layer over an image, its skeleton)."""
     temp = os.path.join(store, f"{NEW}{owner_tag()}-{os.urandom(4).hex()}")
     os.mkdir(temp, mode)
     for part, part_mode in (("upper", 0o755), ("work", 0o700), ("root", 0o755)):
         os.mkdir(os.path.join(temp, part), part_mode)
+    if image:
+        _make_skeleton(temp)
     return temp
 
 
-def commit(store: str, temp: str, name: str, base: str) -> None:
-    """Record ``base`` in ``temp`` and rename it to ``name``; FileExistsError if a layer of
-    that name appeared meanwhile (``temp`` is then left for the caller to discard)."""
-    record = {"v": META_VERSION, "name": name, "base": base}
+def commit(
+    store: str, temp: str, name: str, base: str | None, image: dict[str, object] | None = None
+) -> None:
+    """Record ``base`` (or ``image``) in ``temp`` and rename it to ``name``; FileExistsError
+    if a layer of that name appeared meanwhile (``temp`` is then left for the caller to
+    discard)."""
+    record: dict[str, object] = {"v": META_VERSION, "name": name, "base": base}
+    if image is not None:
+        record["image"] = image
     path = os.path.join(temp, META)
     with open(path, "w") as f:
         json.dump(record, f)
@@ -130,11 +163,15 @@ def fork(store: str, source: str, name: str, *, mode: int) -> None:
     meta = read_meta(store, source)
     if meta is None:
         raise ValueError(f"no layer {source!r} in {store}")
-    temp = begin(store, name, mode=mode)
+    image = meta.get("image") if meta.get("base") is None else None
+    temp = begin(store, name, mode=mode, image=image is not None)
     try:
         os.rmdir(os.path.join(temp, "upper"))
         copy_tree(os.path.join(store, source, "upper"), os.path.join(temp, "upper"))
-        commit(store, temp, name, str(meta["base"]))
+        if isinstance(image, dict):
+            commit(store, temp, name, None, image)
+        else:
+            commit(store, temp, name, str(meta["base"]))
     except BaseException:
         remove_tree(temp)
         raise

@@ -23,6 +23,10 @@ namespace. reset, fork, remove and diff take the same turn. A pool holds an floc
 layer it has open, so two pools never run calls in one layer either (the second gets a
 ValueError naming the layer).
 
+Over a container image (``pool.layer(name, image=img)``, sandbx_pool.image_layer) the lowers
+are the image's layers and the call enters the overlay as its ``/`` (workers.image_root); the
+record keeps the image, so the layer reopens without it. The rest is as above.
+
 A call in a layer is direct into the layer: the pool's ``changes`` mode does not apply (the
 layer is the change set: ``diff`` lists it, ``reset`` drops it), and asking a call for
 ``changes="tracked"`` or ``"transactional"`` in a layer is a ValueError.
@@ -36,16 +40,27 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from sandbx_pool import layer_store
+from sandbx_pool import image_layer, layer_store
 from sandbx_pool.call_state import CallState
 from sandbx_pool.config import ChangeMode, change_mode
 from sandbx_pool.errors import LayerUnavailable
+from sandbx_pool.images.image import Image
 from sandbx_pool.outcome import Outcome
 
 #: Runs one of the coordinator's own actions on a worker: (call id, action, args, workspace,
-#: the layer to mount as (its directory, its base) or None, extra read-only paths).
+#: the layer to mount as (its directory, its base: None over an image) or None, extra
+#: read-only paths, the image's layer directories for a layer over an image, else None).
 RunLayerAction = Callable[
-    [str, str, dict[str, Any], str, tuple[str, str] | None, tuple[str, ...]], Awaitable[Outcome]
+    [
+        str,
+        str,
+        dict[str, Any],
+        str,
+        tuple[str, str | None] | None,
+        tuple[str, ...],
+        tuple[str, ...] | None,
+    ],
+    Awaitable[Outcome],
 ]
 
 #: ``error_code`` of a call refused because its layer could not be mounted, or its base is not
@@ -62,11 +77,16 @@ class Layer:
     """A copy-on-write workspace over ``base`` (see the module's docstring). Pass it, or its
     ``path``, as a call's ``workspace``. Its methods are coroutines."""
 
-    def __init__(self, layers: Layers, name: str, base: str, lock_fd: int) -> None:
+    def __init__(
+        self, layers: Layers, name: str, base: str | None, lock_fd: int, image: Image | None = None
+    ) -> None:
         self._layers = layers
         self.name = name
-        #: The base's real path, as recorded when the layer was made.
+        #: The base's real path, as recorded when the layer was made; None over an image.
         self.base = base
+        #: The image the layer lies over (sandbx_pool.image_layer), as recorded; None over a
+        #: base directory.
+        self.image = image
         self.directory = os.path.join(layers.store, name)
         #: The layer's mount point: the workspace its calls name (empty outside a call).
         self.path = os.path.join(self.directory, "root")
@@ -78,7 +98,8 @@ class Layer:
 
     def __repr__(self) -> str:
         state = "removed" if self._lock_fd is None else ("busy" if self._turn.locked() else "idle")
-        return f"<Layer {self.name!r} over {self.base} [{state} | {self.waiting} waiting]>"
+        over = self.base if self.image is None else f"image {self.image.ref or self.image.digest}"
+        return f"<Layer {self.name!r} over {over} [{state} | {self.waiting} waiting]>"
 
     def __fspath__(self) -> str:
         return self.path
@@ -143,13 +164,16 @@ class Layer:
             self._ids += 1
             opened = await asyncio.to_thread(layer_store.open_up, upper)
             try:
+                # Over an image, the worker mounts the image alone, read-only, on the layer's
+                # root: what the upper directory is compared with.
                 outcome = await self._layers.run(
                     f"layer-{self.name}-diff-{self._ids}",
                     "_layer_diff",
                     {"upper": upper},
-                    self.base,
-                    None,
+                    self.base if self.base is not None else self.path,
+                    None if self.image is None else (self.directory, None),
                     (upper,),
+                    None if self.image is None else self.image.layer_dirs,
                 )
             finally:
                 await asyncio.to_thread(layer_store.close_down, opened)
@@ -175,7 +199,7 @@ class Layer:
                 )
             except FileExistsError:
                 raise ValueError(f"cannot fork onto layer {name!r}: it exists already") from None
-        return await self._layers.open(name, self.base)
+        return await self._layers.open(name, self.base, self.image)
 
     async def remove(self) -> None:
         """Delete the layer and what it holds; the base is untouched."""
@@ -244,13 +268,19 @@ class Layers:
             return parts[0]
         raise ValueError(f"{path} is in the layer store: only a layer's root is a workspace")
 
-    async def open(self, name: str, base: str | None) -> Layer:
+    async def open(self, name: str, base: str | None, image: object = None) -> Layer:
         why = self.unavailable()
         if why is not None:
             raise LayerUnavailable(why)
         layer_store.check_name(name)
+        if image is not None:
+            if base is not None:
+                raise ValueError("a layer lies over a base directory or an image, not both")
+            image = image_layer.check(image, self.store)
         lock = self._opening.setdefault(name, asyncio.Lock())
         async with lock:
+            if isinstance(image, Image):
+                return await self._open_over_image(name, image)
             return await self._open(name, base)
 
     async def _open(self, name: str, base: str | None) -> Layer:
@@ -259,15 +289,18 @@ class Layers:
         if wanted is not None:
             self._check_base(wanted)
         layer = self.layers.get(name)
-        meta = (
-            {"base": layer.base}
-            if layer is not None
-            else await asyncio.to_thread(layer_store.read_meta, self.store, name)
-        )
+        meta = await self._meta(name, layer)
         if meta is None:
             if wanted is None:
-                raise ValueError(f"no layer {name!r} in {self.store}: give its base to make it")
+                raise ValueError(
+                    f"no layer {name!r} in {self.store}: give its base (or image) to make it"
+                )
             return await self._make(name, wanted)
+        if meta.get("base") is None:  # over an image: opened as it was recorded
+            if wanted is not None:
+                raise ValueError(f"layer {name!r} lies over an image, not over {wanted}")
+            recorded_image = image_layer.from_record(name, meta.get("image"))
+            return layer if layer is not None else self._hold(name, None, recorded_image)
         recorded = str(meta["base"])
         if wanted is not None and wanted != recorded:
             raise ValueError(
@@ -277,18 +310,44 @@ class Layers:
             return layer
         return self._hold(name, recorded)
 
-    def _hold(self, name: str, base: str) -> Layer:
+    async def _meta(self, name: str, layer: Layer | None) -> dict[str, object] | None:
+        if layer is None:
+            return await asyncio.to_thread(layer_store.read_meta, self.store, name)
+        if layer.image is not None:
+            return {"base": None, "image": image_layer.record(layer.image)}
+        return {"base": layer.base}
+
+    async def _open_over_image(self, name: str, image: Image) -> Layer:
+        layer = self.layers.get(name)
+        meta = await self._meta(name, layer)
+        if meta is None:
+            return await self._make(name, None, image)
+        if meta.get("base") is not None:
+            raise ValueError(f"layer {name!r} lies over {meta['base']}, not over an image")
+        recorded = image_layer.from_record(name, meta.get("image"))
+        if not image_layer.same_image(recorded, image):
+            raise ValueError(
+                f"layer {name!r} lies over image {recorded.ref or '?'} ({recorded.digest}), not"
+                f" {image.ref or '?'} ({image.digest}): a layer's image never changes"
+            )
+        return layer if layer is not None else self._hold(name, None, recorded)
+
+    def _hold(self, name: str, base: str | None, image: Image | None = None) -> Layer:
         try:
             fd = layer_store.lock(self.store, name)
         except BlockingIOError:
             raise ValueError(f"layer {name!r} is open in another pool") from None
-        layer = Layer(self, name, base, fd)
+        layer = Layer(self, name, base, fd, image)
         self.layers[name] = layer
         return layer
 
-    async def _make(self, name: str, base: str) -> Layer:
-        """Probe, then make (see the module's docstring): nothing is left when it fails."""
-        temp = await asyncio.to_thread(layer_store.begin, self.store, name, mode=self.mode)
+    async def _make(self, name: str, base: str | None, image: Image | None = None) -> Layer:
+        """Probe, then make (see the module's docstring): nothing is left when it fails. Over
+        an image, the probe mounts the image's layers (each must be there, and mount)."""
+        over_image = image is not None
+        temp = await asyncio.to_thread(
+            layer_store.begin, self.store, name, mode=self.mode, image=over_image
+        )
         try:
             outcome = await self.run(
                 f"layer-{name}-open",
@@ -297,21 +356,24 @@ class Layers:
                 os.path.join(temp, "root"),
                 (temp, base),
                 (),
+                image.layer_dirs if image is not None else None,
             )
             if outcome.value is None:
                 if outcome.error_code == LAYER_BASE:
                     raise ValueError(f"cannot make layer {name!r}: {outcome.error}")
                 raise LayerUnavailable(f"cannot make layer {name!r}: {outcome.error}")
-            real = str(outcome.value["base"])
-            self._check_base(real)
+            real = None if image is not None else str(outcome.value["base"])
+            if real is not None:
+                self._check_base(real)
+            recorded = image_layer.record(image) if image is not None else None
             try:
-                await asyncio.to_thread(layer_store.commit, self.store, temp, name, real)
+                await asyncio.to_thread(layer_store.commit, self.store, temp, name, real, recorded)
             except FileExistsError:
                 raise ValueError(f"layer {name!r} was made meanwhile by another pool") from None
         except BaseException:
             await asyncio.to_thread(layer_store.remove_tree, temp)
             raise
-        return self._hold(name, real)
+        return self._hold(name, real, image)
 
     async def named_by(self, workspace: object, configured: str) -> Layer:
         """The layer a call's ``workspace`` names: a Layer of ours, or a layer's root path

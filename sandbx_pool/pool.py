@@ -55,7 +55,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool import allow_list, descriptors, preflight
+from sandbx_pool import allow_list, descriptors, image_layer, preflight
 from sandbx_pool.call_life import attend, token_subscription
 from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
@@ -64,6 +64,7 @@ from sandbx_pool.config import ChangeMode, Config, JournalPolicy, change_mode, l
 from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
+from sandbx_pool.images.image import Image
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal import reader as journal_reader
 from sandbx_pool.journal.prune import LOCK_SUFFIX, prune_default_journals
@@ -173,6 +174,8 @@ class Pool:
         self._remains = Remains()
         self._remains.workers = self._workers.by_token
         self._change_sets: ChangeSets | None = None
+        #: J.d did not exist when the pool opened its journal (undo then says it is missing).
+        self._store_was_missing = False
         self._layers: Layers | None = None
         #: Shell sessions (sandbx_pool.sessions): restored from the journal at start.
         self._sessions = Sessions()
@@ -225,6 +228,11 @@ class Pool:
                 # Its writer's own synchronous stop (it flushes what is queued, then closes).
                 self._remains.stoppers.append(self.journal._writer.stop_at_exit)
                 self._hide_journal(self.journal.path)
+                # J.d (change sets, pre-images) made and hidden before the first call, whatever
+                # its mode: a call that reached it before the pool needed it (a direct bash
+                # with the journal in the workspace) could forge what a later undo writes.
+                self._store_was_missing = not self._store_exists()
+                self._changes_store()
                 self._sessions.restore(self.journal.sessions)
             if self._journal_path is None and self.journal is not None:
                 logger.info("journal: {}", self.journal.path)
@@ -446,10 +454,23 @@ class Pool:
         own_network = None if network is None else allow_list.parse_network(network)
         mode = change_mode(changes) if changes is not None else self.changes
         layer = await self._layer_of(workspace, changes)
-        layer_mount = mount_point(layer, view, layer_at)
-        if layer is not None:
+        image = layer.image if layer is not None else None
+        layer_mount: str | None
+        if layer is not None and image is not None:
+            # Over an image: the layer's root is the call's `/` (image_layer.py).
+            if view is not None or layer_at is not None:
+                raise ValueError(
+                    f"layer {layer.name!r} lies over an image, which is the call's / already:"
+                    " no view or layer_at"
+                )
+            view = workspace = layer_mount = layer.path
+            mode = ChangeMode.DIRECT
+        elif layer is not None:
+            layer_mount = mount_point(layer, view, layer_at)
             workspace = layer.path if view is None else None
             mode = ChangeMode.DIRECT
+        else:
+            layer_mount = mount_point(layer, view, layer_at)
         if workspace is not None and not (isinstance(workspace, str) and os.path.isabs(workspace)):
             raise ValueError(f"workspace must be an absolute path or None, not {workspace!r}")
         if call_id is not None and call_id in self._calls:
@@ -473,6 +494,9 @@ class Pool:
             call.layer, call.layer_name = layer, layer.name
             call.layer_dir, call.layer_base = layer.directory, layer.base
             call.layer_mount = layer_mount
+            call.image = image
+            call.start_dir = image_layer.start_dir(image) if image is not None else None
+            call.layer_image = image.layer_dirs if image is not None else None
         call.network = own_network
         run: Callable[[], Awaitable[Outcome]] = partial(self._run, call)
         release = None
@@ -564,15 +588,25 @@ class Pool:
 
     # -- layers (sandbx_pool.layers) ------------------------------------------------------------
 
-    async def layer(self, name: str, base: str | os.PathLike[str] | None = None) -> Layer:
+    async def layer(
+        self,
+        name: str,
+        base: str | os.PathLike[str] | None = None,
+        *,
+        image: Image | None = None,
+    ) -> Layer:
         """The layer ``name`` of the pool's layer store (``[workspace] layers``): made over
         ``base`` (a directory, never written: every call in the layer sees it plus the layer's
-        own changes), or, without ``base``, opened as a pool made it before. ValueError for a
-        name that is not plain, a base that is not a directory, lies in the store (or holds
-        it) or is not the one recorded; LayerUnavailable where no overlay mounts."""
+        own changes), or over ``image`` (an Image of the store, ``pool.image(ref)``: every
+        call in the layer sees the image as its ``/``, plus the layer's changes; see
+        sandbx_pool.image_layer), or, without either, opened as a pool made it before.
+        ValueError for a name that is not plain, a base that is not a directory, lies in the
+        store (or holds it) or is not the one recorded, an image that is not the recorded
+        one; LayerUnavailable where no overlay mounts, or the image's layers do not."""
         if self.state is not PoolState.OPEN:
             raise PoolClosed("the pool is not open")
-        return await self._layer_set().open(name, os.fspath(base) if base is not None else None)
+        path = os.fspath(base) if base is not None else None
+        return await self._layer_set().open(name, path, image)
 
     def _layer_set(self) -> Layers:
         if self._layers is None:
@@ -618,7 +652,10 @@ class Pool:
                 else os.path.join(self._runtime_dir, "changes")
             )
             os.makedirs(root, mode=0o700, exist_ok=True)
-            self._change_sets = ChangeSets(root)
+            settings = self.config.workspace
+            self._change_sets = ChangeSets(
+                root, max_paths=settings.max_change_paths, max_bytes=settings.max_change_bytes
+            )
             hidden = (*self._sandbox.hidden, os.path.realpath(root))
             self._sandbox = msgspec.structs.replace(self._sandbox, hidden=hidden)
         return self._change_sets
@@ -658,16 +695,19 @@ class Pool:
         """Put back every path a tracked or transactional call changed as it was before the
         call (content, mode, deleted files back, created ones gone); journaled. Returns the
         paths. Raises UndoConflict, changing nothing, when one of them was changed since (the
-        error names it and the later call); ValueError when the call has nothing to undo
-        (unknown, made in direct mode, its changes never applied, its pre-images gone)."""
+        error names it and the later call), or when its kept pre-images are not what was
+        journaled with its changes; ValueError when the call has nothing to undo (unknown,
+        made in direct mode, its changes never applied, already undone, its pre-images
+        gone)."""
         if self.state is not PoolState.OPEN:
             raise PoolClosed("the pool is not open")
         if self.journal is None:
             raise ValueError("undo needs the pool's journal: this pool has none")
-        if self._change_sets is None and not self._store_exists():
+        store = self._changes_store()
+        if self._store_was_missing and not os.path.isdir(store.call_dir(call_id)):  # noqa: ASYNC240 (J.d, the pool's own)
             await self.journal.flush()
             refuse_without_store(self.journal.path, call_id)
-        return await self._changes_store().undo(
+        return await store.undo(
             call_id, self.journal, self._internal, oldest_running=self._oldest_running()
         )
 
@@ -677,8 +717,9 @@ class Pool:
         tool: str,
         args: dict[str, Any],
         workspace: str,
-        layer: tuple[str, str] | None = None,
+        layer: tuple[str, str | None] | None = None,
         read_only: tuple[str, ...] | None = None,
+        image: tuple[str, ...] | None = None,
     ) -> Outcome:
         """Run one of the coordinator's own actions on a worker confined to ``workspace``,
         the change sets' directory writable besides; or, for a layer's (``layer``: its
@@ -686,6 +727,7 @@ class Pool:
         call = CallState(call_id, tool, args, None, workspace=workspace)
         if layer is not None:
             call.layer_dir, call.layer_base = layer
+            call.layer_image = image
         context = preflight.call_context(call, workspace, self._side())
         box = context.sandbox
         if read_only is None:

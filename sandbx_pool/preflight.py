@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from sandbx_pool import lexical_paths
+from sandbx_pool import image_layer, lexical_paths
 from sandbx_pool.call_state import CallState
 from sandbx_pool.config import Config
 from sandbx_pool.execution import Unsendable, encode_call
@@ -81,9 +81,12 @@ def prepare(call: CallState, pool: PoolSide) -> bytes | Outcome:
     base = call.workspace or pool.workspace
     workspace = base if call.view is None else "/"
     try:
-        if call.view is not None:
+        # A layer over an image: the view is the layer's root, made by the pool, not a folder
+        # of a workspace (image_layer.py).
+        if call.view is not None and call.image is None:
             lexical_paths.check_view(base, call.view)
-        call_cwd = lexical_paths.resolve_cwd(workspace, call.cwd)
+        cwd = call.cwd if call.cwd is not None else call.start_dir
+        call_cwd = lexical_paths.resolve_cwd(workspace, cwd)
     except ValueError as exc:
         return call.outcome(Status.DENIED, error=str(exc))
     denial = lexical_paths.denial(workspace, call_cwd, args) or pool.gate.denial(
@@ -103,13 +106,20 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
     sandbox = with_network(pool.sandbox or Sandbox(), call, pool.proxy_socket)
     if call.view is not None:
         # The pool's lock directory is not in the view: a write there locks its directory.
-        sandbox = msgspec.structs.replace(sandbox, view=call.view, lock_dir=None)
+        sandbox = msgspec.structs.replace(
+            sandbox, view=call.view, lock_dir=None, image=call.image is not None
+        )
     config = pool.config
+    env = (
+        config.env.for_call(call.env)
+        if call.image is None
+        else image_layer.call_env(call.image, config.env, call.env)
+    )
     return ExecutionContext(
         call_id=call.call_id,
         workspace=(call.workspace or pool.workspace) if call.view is None else "/",
         cwd=cwd,
-        env=config.env.for_call(call.env),
+        env=env,
         limits=call.limits or config.limits.for_workers(),
         max_output_bytes=max_output_bytes(config, call.tool),
         sandbox=sandbox,
@@ -121,6 +131,7 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
         layer_base=call.layer_base,
         layer_mount=call.layer_mount,
         session_env=call.session_env,
+        layer_image=call.layer_image,
     )
 
 

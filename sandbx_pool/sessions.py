@@ -126,7 +126,9 @@ class Sessions:
         workspace = call.workspace or ""
         session = self._sessions.get(session_id)
         if session is None:
-            session = self._sessions[session_id] = Session(workspace, call.view)
+            # Over an image, a session starts in the image's WorkingDir, as its calls do.
+            start = os.path.relpath(call.start_dir or "/", "/") if call.view is not None else "."
+            session = self._sessions[session_id] = Session(workspace, call.view, start)
         elif (session.workspace, session.view) != (workspace, call.view):
             where = f"workspace {session.workspace!r}, view {session.view!r}"
             raise ValueError(

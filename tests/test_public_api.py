@@ -80,6 +80,8 @@ def test_the_readme_gives_the_real_signatures() -> None:
         sandbx_pool.Pool.call
     )
     assert [p for p in _signature_in_readme("Pool") if p != "*"] == _real(sandbx_pool.Pool)
+    layer = [p for p in _signature_in_readme("await pool.layer") if p != "*"]
+    assert layer == _real(sandbx_pool.Pool.layer)
 
 
 def test_the_readme_lists_every_outcome_field() -> None:

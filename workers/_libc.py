@@ -39,6 +39,7 @@ PR_CAP_AMBIENT_CLEAR_ALL = 4
 
 # Namespace flags of unshare(2) and setns(2).
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
@@ -131,6 +132,13 @@ def prctl_get(option: int, arg: int = 0) -> int:
 def prctl(option: int, arg: int = 0, *, what: str = "prctl") -> None:
     if try_prctl(option, arg) != 0:
         raise _failed(what)
+
+
+def sethostname(name: str) -> None:
+    """sethostname(2), in a UTS namespace of the caller's own."""
+    encoded = name.encode()
+    if _libc.sethostname(encoded, ctypes.c_size_t(len(encoded))) != 0:
+        raise _failed("sethostname")
 
 
 def try_unshare(flags: int) -> int:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import os
 
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import _libc, image_root
 from sandbx_pool.workers.errors import ToolError
 from sandbx_pool.workers.protocol import ExecutionContext
 
@@ -94,6 +94,28 @@ def enter(ctx: ExecutionContext) -> None:
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
+def _enter_image(ctx: ExecutionContext, *, image_only: bool) -> None:
+    """A layer over an image: its lowers are the image's layers (workers.image_root), mounted
+    on the layer's root. Nothing of the store needs covering: the call enters the overlay as
+    its ``/`` (or, for the diff, reads only the image and the layer's upper directory)."""
+    assert ctx.layer_dir is not None
+    assert ctx.layer_image is not None
+    root = ctx.layer_mount or ctx.workspace
+    if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
+        raise OverlayError(
+            "a layer over an image cannot be mounted: no mount namespace here (the pool needs"
+            " root with CAP_SYS_ADMIN, or user namespaces allowed: see sandbx-pool doctor)",
+            code=LAYER_UNAVAILABLE,
+        )
+    try:
+        _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
+        image_root.mount(ctx.layer_dir, ctx.layer_image, root, OPTIONS, upper=not image_only)
+    except image_root.ImageMountError as exc:
+        raise OverlayError(str(exc), code=LAYER_UNAVAILABLE) from exc
+    except OSError as exc:
+        raise OverlayError(f"cannot mount the layer: {exc}", code=LAYER_UNAVAILABLE) from exc
+
+
 def _open_base(base: str) -> int:
     """A descriptor of ``base`` (an absolute, resolved path) reached from ``/`` one name at a
     time, no symlink followed; LayerBaseError naming what is wrong."""
@@ -140,11 +162,16 @@ def _cover_store(layer_dir: str, root: str) -> None:
     _libc.set_read_only(store, recursive=False)
 
 
-def enter_layer(ctx: ExecutionContext, *, resolve: bool = False) -> str:
+def enter_layer(ctx: ExecutionContext, *, resolve: bool = False, image_only: bool = False) -> str:
     """Mount the call's layer on its workspace, in a mount namespace of this worker's own (see
     above); the base's real path. ``resolve``: the base as the caller named it (making a
-    layer: symlinks allowed, resolved here), else it must be the recorded real path."""
+    layer: symlinks allowed, resolved here), else it must be the recorded real path. A layer
+    over an image mounts the image's layers instead (workers.image_root; ``image_only``: them
+    alone, read-only, what the layer's diff compares with), and answers ""."""
     assert ctx.layer_dir is not None
+    if ctx.layer_image is not None:
+        _enter_image(ctx, image_only=image_only)
+        return ""
     assert ctx.layer_base is not None
     base = os.path.realpath(ctx.layer_base) if resolve else ctx.layer_base
     if not os.path.isdir(base):

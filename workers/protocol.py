@@ -77,6 +77,10 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     network_allow: tuple[str, ...] | None = None
     #: The proxy's unix socket, where the worker registers its call's listening socket.
     proxy_socket: str | None = None
+    #: The view is a layer over a container image (workers.image_root): its root is the
+    #: overlay of the image's layers, entered with nothing of the host's bound in and left
+    #: writable (the layer takes the writes). With ``view`` only.
+    image: bool = False
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,6 +124,9 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: the confinement itself), and bash reports the state it leaves (``Result.session``).
     #: None: no session.
     session_env: dict[str, str] | None = None
+    #: A layer over a container image (sandbx_pool.layers): the image's unpacked layers in the
+    #: image store, bottom first, the overlay's lowers in place of ``layer_base`` (None then).
+    layer_image: tuple[str, ...] | None = None
 
 
 #: Most bytes of exported variables a shell session keeps (names and values, UTF-8); a call
@@ -158,6 +165,21 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     write_bytes: int
     processes: int | None = None
     source: Literal["cgroup", "rusage"] = "rusage"
+
+
+class ChangeReport(msgspec.Struct, frozen=True):
+    """What a change set's apply did, path by path, written by its worker to a file in J.d
+    (out of band: 60,000 paths are past what a Result may carry, and an answer the output
+    limit cut would leave applied paths no outcome names): the change list as the outcome
+    carries it, and the paths not applied because they are protected. An undo's: the paths
+    it put back (``undone``), those it left because they are protected."""
+
+    changes: list[dict[str, Any]]
+    protected: list[str] = []
+    undone: list[str] = []
+
+
+change_report_decoder = msgspec.json.Decoder(ChangeReport)
 
 
 class Message(msgspec.Struct, tag=True, kw_only=True):

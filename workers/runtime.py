@@ -319,7 +319,9 @@ def _enter_layer(call: Call, prepared: sandbox.Prepared) -> None:
     """A call in a layer: its workspace becomes the layer's overlay (workers.overlay), before
     anything else of the confinement, which then builds its rules on what the call sees. The
     template's file rules hold the pool's own workspace: not this one."""
-    overlay.enter_layer(call.context, resolve=call.tool == "_layer_open")
+    overlay.enter_layer(
+        call.context, resolve=call.tool == "_layer_open", image_only=call.tool == "_layer_diff"
+    )
     if prepared.file_rules is not None:
         prepared.file_rules.close()
         prepared.file_rules = None

@@ -64,6 +64,7 @@ import msgspec
 
 from sandbx_pool.workers import (
     _libc,
+    image_root,
     landlock,
     lockdown,
     netns,
@@ -88,7 +89,7 @@ from sandbx_pool.workers.rules import (
     preload,
     within,
 )
-from sandbx_pool.workers.schemas import FOLLOW_NO_SYMLINKS
+from sandbx_pool.workers.schemas import CHANGE_ACTIONS, FOLLOW_NO_SYMLINKS
 
 
 class SandboxError(ToolError):
@@ -276,8 +277,12 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         if runs_programs:
             unmasked = not private and not keep_root
         else:
+            # A change set's apply or undo (CHANGE_ACTIONS) reads and writes the workspace for
+            # the coordinator, with J.d writable: it takes the layer always, so that nothing
+            # of root's secrets could ever be copied into J.d, whatever a path leads to.
             unmasked = box.view is None and (
                 not preloaded.can_mask
+                or call.tool in CHANGE_ACTIONS
                 or preloaded.holds_secrets(paths.real_workspace(ctx.workspace))
             )
         layer = preloaded.take_secrets_layer() if rulesets and unmasked else None
@@ -492,8 +497,18 @@ def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | 
             " user namespaces are allowed ([sandbox] user_namespaces)"
         )
     try:
-        view.enter(box.view)
-        entered = os.stat("/")
+        if box.image:
+            # A layer over an image: its overlay is the whole tree, the host's programs
+            # included; the call is root in its namespace (workers.image_root).
+            layer_dir = os.path.dirname(box.view)
+            image_root.enter(box.view, layer_dir, network=box.network)
+            entered = os.stat("/")
+            image_root.become_root()
+        else:
+            view.enter(box.view)
+            entered = os.stat("/")
+    except image_root.ImageMountError as exc:
+        raise SandboxError(str(exc)) from None
     except OSError as exc:
         raise SandboxError(f"cannot enter the view {box.view}: {exc}") from exc
     if anchor is not None and (entered.st_dev, entered.st_ino) != anchor:

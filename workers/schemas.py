@@ -227,6 +227,11 @@ class ApplyChangesArgs(ToolArgs):
     objects: str
     apply: bool
     taken: dict[str, str] = {}
+    #: Where the change list is written (J.d), out of band: workers.tools.changes says why.
+    report: str = ""
+    #: [workspace] max_change_paths and max_change_bytes (None: unbounded).
+    max_paths: int | None = None
+    max_bytes: int | None = None
 
 
 class UndoChangesArgs(ToolArgs):
@@ -234,6 +239,10 @@ class UndoChangesArgs(ToolArgs):
 
     images: str
     objects: str
+    #: The sha256 of images.json as journaled with the call's outcome (None: none was).
+    images_sha256: str | None = None
+    #: Where the paths undone are written (J.d), out of band as an apply's change list.
+    report: str = ""
 
 
 class LayerOpenArgs(ToolArgs):
@@ -248,6 +257,10 @@ class LayerDiffArgs(ToolArgs):
 
 #: Actions only the coordinator asks for (journal recovery, change sets); no caller can name
 #: them.
+#: The actions that read and write the workspace for the coordinator: confined like the file
+#: tools, with root's secrets left out by Landlock whatever else masks them (workers.sandbox).
+CHANGE_ACTIONS = frozenset({"_apply_changes", "_undo_changes"})
+
 INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "_remove_temps": RemoveTempsArgs,
     "_apply_changes": ApplyChangesArgs,

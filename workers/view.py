@@ -72,7 +72,7 @@ def enter(root: str) -> None:
     _libc.mount("/proc", os.path.join(root, "proc"), None, _libc.MS_BIND | _libc.MS_REC, None)
     _libc.mount("/sys", os.path.join(root, "sys"), None, _libc.MS_BIND | _libc.MS_REC, None)
     _libc.set_read_only(os.path.join(root, "sys"), recursive=True)
-    _make_dev(os.path.join(root, "dev"))
+    make_dev(os.path.join(root, "dev"))
     _libc.set_read_only(root, recursive=False)
     os.chdir(root)
     _libc.pivot_root(".", ".")  # the old root is now stacked on the new one...
@@ -106,7 +106,7 @@ def own_directories(root: str) -> list[str]:
         )
 
 
-def _make_dev(dev: str) -> None:
+def make_dev(dev: str) -> None:
     _libc.mount("sandbx-dev", dev, "tmpfs", _NO_EXEC, "size=64k,mode=755")
     for name in DEVICES:
         source, target = "/dev/" + name, os.path.join(dev, name)
@@ -123,4 +123,4 @@ def _make_dev(dev: str) -> None:
     _libc.set_read_only(dev, recursive=False)
 
 
-__all__ = ["enter", "own_directories", "skeleton"]
+__all__ = ["enter", "make_dev", "own_directories", "skeleton"]

@@ -132,6 +132,8 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
     session: dict[str, Any] | None = None
     #: The hosts the network proxy refused the call (an allow-list): value["network_denied"].
     network_denied: list[str] | None = None
+    #: An applied change set's images.json, hashed (Outcome.images_sha256): what undo checks.
+    images_sha256: str | None = None
     #: What the call's process tree cost (Outcome.usage); absent: it never started, or its
     #: journal was written before usage was recorded.
     usage: dict[str, Any] | None = None
@@ -159,6 +161,7 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
             changes=outcome.changes,
             session=outcome.session,
             network_denied=_denied(outcome.value),
+            images_sha256=outcome.images_sha256,
             usage=outcome.usage,
         )
 

@@ -154,7 +154,8 @@ def _start(
     # The cwd is confined like any path: a cwd that is (or passes through) a symlink leading
     # out of the workspace is refused, not silently used.
     cwd = resolve(ctx, ".")
-    argv = args.argv if args.argv is not None else ["bash", "-c", args.command]
+    shell = image_shell() if ctx.sandbox.image else "bash"
+    argv = args.argv if args.argv is not None else [shell, "-c", args.command]
     ids: dict[str, Any] = {}
     env = ctx.env
     if args.user is not None:
@@ -166,7 +167,7 @@ def _start(
         if args.argv is None:  # an argv runs no shell: nothing to report
             capture = shell_state.Capture(ctx, base, cwd)
             capture.notes.extend([moved] if moved else [])
-            argv = capture.argv(args.command)
+            argv = capture.argv(args.command, shell)
     has_input = args.stdin is not None or args.stdin_bytes is not None
     try:
         proc = subprocess.Popen(
@@ -188,6 +189,12 @@ def _start(
     if capture is not None:
         capture.started()
     return proc, capture
+
+
+def image_shell() -> str:
+    """In a layer over an image (the call's ``/`` is the image's): its ``/bin/bash``, else its
+    ``/bin/sh``, as ``docker exec ... sh -c`` users expect; never the host's."""
+    return "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
 
 
 def _exit_status(returncode: int) -> tuple[int, int | None]:

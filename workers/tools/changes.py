@@ -1,7 +1,13 @@
 """The coordinator's own actions on a call's change set (sandbx_pool.changes decides them).
 
-Run by a worker confined to the call's workspace, with the journal's directory (``J.d``)
-writable besides: the coordinator never touches the workspace itself.
+Run by a worker confined like the file tools to the call's workspace, with the journal's
+directory (``J.d``) writable besides and root's secrets left out by Landlock whatever mounts
+there are (workers.sandbox): the coordinator never touches the workspace itself. Every path of
+the workspace and of the upper directory is reached without following a symlink
+(workers.beneath).
+
+The change list is written out of band, to ``report`` in J.d (workers.protocol.ChangeReport),
+and read there by the coordinator.
 """
 
 from __future__ import annotations
@@ -9,55 +15,126 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sandbx_pool.workers import changes
+import msgspec
+
+from sandbx_pool.workers import change_images, changes, paths
+from sandbx_pool.workers.beneath import Beneath, Swapped
+from sandbx_pool.workers.protocol import ChangeReport as Report
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import ApplyChangesArgs, UndoChangesArgs
 
 
+def _write_report(path: str, report: Report) -> None:
+    temp = f"{path}.{os.urandom(4).hex()}.tmp"
+    with open(temp, "wb") as f:
+        f.write(msgspec.json.encode(report))
+    os.rename(temp, path)
+
+
+def _protected(ctx: ExecutionContext, found: list[changes.Change], root: str) -> list[str]:
+    """The paths of ``found`` that no call may change ([sandbox] protected, core.hooksPath
+    read now): never applied, never undone, as bash holds them."""
+    return [
+        item.path
+        for item in found
+        if paths.protected_by(ctx, os.path.join(root, item.path)) is not None
+    ]
+
+
 def apply_changes(args: ApplyChangesArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """Scan the call's upper directory; with ``apply``, set the workspace to it, its pre-images
-    kept first. A path in ``taken`` (applied by another call since this one started) is a
-    conflict: nothing is applied. Run again after a crash, it finishes what it began."""
-    workspace = os.path.realpath(ctx.workspace)
-    kept = os.path.exists(args.images)
-    if kept:
-        images = changes.read_images(args.images)  # a second run: the first scan is the truth
+    kept first. A path in ``taken`` (applied by another call since this one started), or a
+    directory swapped for a symlink since, is a conflict: nothing is applied. Run again after a
+    crash, it finishes what it began. The change list goes to ``report``."""
+    root = paths.real_workspace(ctx.workspace)
+    answer: dict[str, Any] = {"applied": False, "report": args.report}
+    images: changes.Images | None = None
+    if os.path.exists(args.images):
+        # A second run: the first scan is the truth.
+        images, answer["images_sha256"] = change_images.read_images(args.images)
         found = images.changes
     else:
-        found = changes.scan(args.upper, workspace)
+        bound = None
+        if args.max_paths is not None and args.max_bytes is not None:
+            bound = changes.Bound(args.max_paths, args.max_bytes)
+        try:
+            found = changes.scan(args.upper, root, bound)
+        except changes.TooLarge as exc:
+            _write_report(args.report, Report([]))
+            return {**answer, "too_large": str(exc)}
+    protected = _protected(ctx, found, root)
+    report = Report(changes.listed(found, False), protected)
     if not args.apply:
-        return {"changes": changes.listed(found, False), "applied": False}
+        _write_report(args.report, report)
+        return answer
     for item in found:
         if item.path in args.taken:
-            conflict = {"path": item.path, "call_id": args.taken[item.path]}
-            return {"changes": changes.listed(found, False), "applied": False, "conflict": conflict}
-    if not kept:
-        images = changes.take_images(args.call_id, found, args.upper, workspace, args.objects)
-        changes.write_images(images, args.images)
-    changes.set_to(images, "post", workspace, lambda path, _: os.path.join(args.upper, path))
-    return {"changes": changes.listed(found, True), "applied": True}
+            _write_report(args.report, report)
+            return {**answer, "conflict": {"path": item.path, "call_id": args.taken[item.path]}}
+    skip = frozenset(protected)
+    done: list[str] = []
+    with Beneath(args.upper) as upper, Beneath(root) as workspace:
+        try:
+            if images is None:
+                applicable = [item for item in found if item.path not in skip]
+                change_images.check_ancestors((item.path for item in applicable), workspace)
+                images = change_images.take_images(
+                    args.call_id, applicable, upper, workspace, args.objects
+                )
+                answer["images_sha256"] = change_images.write_images(images, args.images)
+
+            def source(path: str, _: changes.Image) -> int:
+                return upper.read_file(path)
+
+            change_images.set_to(images, "post", workspace, source, skip=skip, done=done)
+        except Swapped as exc:
+            answer["swapped"] = exc.path
+        finally:
+            applied = set(done)
+            _write_report(args.report, Report(changes.listed(found, applied), protected))
+    return {**answer, "applied": bool(done) or "swapped" not in answer}
 
 
 def undo_changes(args: UndoChangesArgs, ctx: ExecutionContext) -> dict[str, Any]:
-    """Put back every path's pre-image, unless one is no longer its post-image (then nothing
-    is changed, and the paths are named)."""
-    workspace = os.path.realpath(ctx.workspace)
-    images = changes.read_images(args.images)
-    changed = changes.mismatches(images, workspace)
-    if changed:
-        return {"undone": False, "changed": changed}
-    missing = [
-        path
-        for path, image in images.paths.items()
-        if image.pre.sha256 is not None
-        and not os.path.exists(os.path.join(args.objects, image.pre.sha256))
-    ]
+    """Put back every path's pre-image, unless images.json or a kept object is not what was
+    journaled (``forged``), or a path is no longer its post-image or lies below a directory
+    swapped for a symlink (``changed``): then nothing is changed, and the paths are named.
+    Protected paths are never written."""
+    images, digest = change_images.read_images(args.images)
+    if args.images_sha256 is None or digest != args.images_sha256:
+        return {"undone": False, "forged": "images.json"}
+    missing: list[str] = []
+    for path, image in sorted(images.paths.items()):
+        if image.pre.sha256 is None:
+            continue
+        try:
+            fd = os.open(os.path.join(args.objects, image.pre.sha256), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            missing.append(path)
+            continue
+        if change_images.hash_fd(fd) != image.pre.sha256:
+            return {"undone": False, "forged": path}
     if missing:
-        return {"undone": False, "missing": sorted(missing)}
+        return {"undone": False, "missing": missing}
+    root = paths.real_workspace(ctx.workspace)
+    skip = frozenset(
+        _protected(ctx, [changes.Change(p, "modified", "file", None) for p in images.paths], root)
+    )
+    done: list[str] = []
+    with Beneath(root) as workspace:
+        changed = change_images.mismatches(images, workspace, skip)
+        if changed:
+            return {"undone": False, "changed": changed}
 
-    def source(path: str, image: changes.Image) -> str:
-        assert image.sha256 is not None
-        return os.path.join(args.objects, image.sha256)
+        def source(path: str, image: changes.Image) -> int:
+            assert image.sha256 is not None
+            return os.open(os.path.join(args.objects, image.sha256), os.O_RDONLY | os.O_NOFOLLOW)
 
-    changes.set_to(images, "pre", workspace, source)
-    return {"undone": True, "paths": sorted(images.paths)}
+        try:
+            change_images.check_ancestors(set(images.paths) - skip, workspace)
+            change_images.set_to(images, "pre", workspace, source, skip=skip, done=done)
+        except Swapped as exc:
+            return {"undone": False, "changed": [exc.path], "partly": bool(done)}
+        finally:
+            _write_report(args.report, Report([], sorted(skip), sorted(done)))
+    return {"undone": True}

@@ -21,13 +21,14 @@ from sandbx_pool.workers.schemas import LayerDiffArgs, LayerOpenArgs
 def open_layer(args: LayerOpenArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """The layer is mounted (the worker did it before confining itself): its base's real path,
     and whether the workspace is the overlay (a sanity check the coordinator can show)."""
-    assert ctx.layer_base is not None
-    return {"base": os.path.realpath(ctx.layer_base), "mounted": os.path.ismount(ctx.workspace)}
+    base = os.path.realpath(ctx.layer_base) if ctx.layer_base is not None else None
+    return {"base": base, "mounted": os.path.ismount(ctx.workspace)}
 
 
 def diff_layer(args: LayerDiffArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """What the layer's upper directory changes of its base (the call's workspace). Not
     applied: nothing of it is ever in the base."""
+    # Over an image: the workspace is the image alone, mounted read-only for this scan.
     found = changes.scan(args.upper, os.path.realpath(ctx.workspace))
     return {"changes": changes.listed(found, False)}
 

@@ -137,8 +137,8 @@ class Capture:
         self.overflow = False
         self.notes: list[str] = []
 
-    def argv(self, command: str) -> list[str]:
-        return ["bash", "-c", _WRAPPER.format(fd=self.write_fd), "bash", command]
+    def argv(self, command: str, shell: str = "bash") -> list[str]:
+        return [shell, "-c", _WRAPPER.format(fd=self.write_fd), "bash", command]
 
     def started(self) -> None:
         """bash has its copy of the write end: ours must go, or EOF would never come."""
