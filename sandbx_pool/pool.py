@@ -917,8 +917,8 @@ class Pool:
                     worker.watch(pid)
                 case Signal(pid, signum, starting):
                     signal_worker(pid, signum, starting=starting)
-                case Gone(worker, returncode):
-                    worker.mark_exited(returncode)
+                case Gone(worker, returncode, usage, memory_killed):
+                    worker.mark_exited(returncode, usage, memory_killed=memory_killed)
                 case RetryAfter(seconds):
                     loop = asyncio.get_running_loop()
                     self._retry = loop.call_later(seconds, self._retry_now)

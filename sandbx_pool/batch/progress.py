@@ -32,6 +32,7 @@ from typing import Final, TextIO
 
 from sandbx_pool.batch.calls import CallSpec
 from sandbx_pool.batch.run import BatchReport
+from sandbx_pool.journal.costs import summary_line, totals
 from sandbx_pool.journal.reader import percentile
 from sandbx_pool.outcome import Outcome
 from sandbx_pool.tables import status_order, text_table
@@ -230,6 +231,13 @@ def format_summary(report: BatchReport) -> list[str]:
         durations = sorted(outcome.duration_s for _, outcome in report.results)
         p50, p99 = percentile(durations, 50.0), percentile(durations, 99.0)
         lines += ["", f"latency: p50 {p50:.3f} s, p99 {p99:.3f} s, max {durations[-1]:.3f} s"]
+        started = [
+            (spec.call_id, spec.tool, str(outcome.status), outcome.usage)
+            for spec, outcome in report.results
+            if outcome.started
+        ]
+        if started:
+            lines.append(summary_line(totals(started)))
         lines += ["", f"slowest {min(len(report.results), 5)}:"]
         lines += [
             f"  {outcome.duration_s:8.3f} s  line {spec.line:<6} {spec.tool:<5} "
