@@ -881,3 +881,41 @@ def test_demo_shows_every_kind_of_ending(
     records = read_journal(journal).records
     statuses = Counter(r.status for r in records if isinstance(r, OutcomeRecord))
     assert statuses.keys() >= {"ok", "error", "cancelled", "timeout", "denied"}
+
+
+#: A bash command that ends ok once FILE exists in the workspace, or fails after 10 s: the
+#: line that makes FILE must run while this one is in flight.
+WAIT_FOR = "for i in $(seq 100); do [ -e {file} ] && exit 0; sleep 0.1; done; exit 1"
+
+
+@pytest.mark.parametrize("waiting_on", ["after", "session"])
+async def test_a_line_waiting_for_its_turn_holds_no_lane(tmp_path: Path, waiting_on: str) -> None:
+    # a1 runs until d2 has run; a2 waits for a1 (its `after`, or its session's order). At
+    # --parallel 2, a2 must not take the second lane: b1 and then d2 need it.
+    workspace = make_workspace(tmp_path)
+    if waiting_on == "after":
+        lines = [
+            {"id": "a1", "tool": "bash", "args": {"command": WAIT_FOR.format(file="d2-ran")}},
+            {"id": "a2", "tool": "bash", "after": ["a1"], "args": {"command": "true"}},
+        ]
+    else:
+        lines = [
+            {"id": "a1", "tool": "bash", "session": "a",
+             "args": {"command": f"export N=1; {WAIT_FOR.format(file='d2-ran')}"}},
+            {"id": "a2", "tool": "bash", "session": "a", "args": {"command": 'echo "$N"'}},
+        ]  # fmt: skip
+    lines += [
+        {"id": "b1", "tool": "bash", "args": {"command": "true"}},
+        {"id": "d2", "tool": "bash", "args": {"command": "touch d2-ran"}},
+    ]
+    batch = load_batch(write_lines(tmp_path / "c.jsonl", lines))
+    async with Pool(workspace, config=marked_config(pool={"workers": 4})) as pool:
+        report = await run_batch(pool, batch.calls, parallel=2)
+    ended = [spec.call_id for spec, _ in report.results]
+    codes = {
+        spec.call_id: (outcome.value or {}).get("exit_code") for spec, outcome in report.results
+    }
+    assert codes == dict.fromkeys(["a1", "a2", "b1", "d2"], 0), report.results
+    assert ended.index("a1") < ended.index("a2")  # order kept
+    if waiting_on == "session":
+        assert report.results[ended.index("a2")][1].value["stdout"] == "1\n"
