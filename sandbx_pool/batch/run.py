@@ -82,14 +82,16 @@ def finished_call_ids(path: str | os.PathLike[str]) -> set[str]:
 
 class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
     """What ``run --resume`` skips: ``finished`` calls, and ``in_doubt`` ones (id -> tool)
-    whose side effect may have happened, unless they are re-run on purpose. ``seen``: every
-    id the journal holds; ``workspaces``: each id's workspace as its latest intent recorded
-    it, the latest intent last."""
+    whose side effect may have happened, unless they are re-run on purpose (``doubts``: why,
+    id -> text). ``seen``: every id the journal holds; ``workspaces``: each id's workspace as
+    its latest intent recorded it, the latest intent last."""
 
     finished: set[str]
     in_doubt: dict[str, str]
     seen: set[str] = msgspec.field(default_factory=set)
     workspaces: dict[str, str] = msgspec.field(default_factory=dict)
+    #: Why each call in doubt is (``journal.reader.Doubt``): id -> its text.
+    doubts: dict[str, str] = msgspec.field(default_factory=dict)
 
     def skip(self, *, rerun_started: bool) -> set[str]:
         return self.finished if rerun_started else self.finished | set(self.in_doubt)
@@ -122,6 +124,7 @@ def resume_plan(path: str | os.PathLike[str]) -> ResumePlan:
         in_doubt={call.call_id: call.tool for call in ledger.in_doubt},
         seen=ledger.seen,
         workspaces=ledger.workspaces,
+        doubts={call.call_id: str(call.why) for call in ledger.in_doubt},
     )
 
 
