@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         SandbxPoolError,
         TemplateLost,
         UndoConflict,
+        WorkspaceError,
     )
     from sandbx_pool.layers import Layer
     from sandbx_pool.outcome import KilledBy, Outcome, Status
@@ -59,6 +60,7 @@ _HOMES = {
     "SandbxPoolError": "sandbx_pool.errors",
     "TemplateLost": "sandbx_pool.errors",
     "UndoConflict": "sandbx_pool.errors",
+    "WorkspaceError": "sandbx_pool.errors",
     "Layer": "sandbx_pool.layers",
     "KilledBy": "sandbx_pool.outcome",
     "Outcome": "sandbx_pool.outcome",
@@ -91,6 +93,7 @@ __all__ = [
     "Status",
     "TemplateLost",
     "UndoConflict",
+    "WorkspaceError",
     "load_config",
     "tool_schemas",
 ]

@@ -32,6 +32,7 @@ PUBLIC = [
     "Status",
     "TemplateLost",
     "UndoConflict",
+    "WorkspaceError",
     "load_config",
     "tool_schemas",
 ]

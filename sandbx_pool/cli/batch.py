@@ -37,7 +37,13 @@ from sandbx_pool.batch.calls import BatchFile, BatchFileError, load_batch
 from sandbx_pool.cli.arguments import positive_int
 from sandbx_pool.cli.checks import workspace_problem
 from sandbx_pool.config import ChangeMode, Config, load_config
-from sandbx_pool.errors import ConfigError, JournalError, JournalLocked, SandbxPoolError
+from sandbx_pool.errors import (
+    ConfigError,
+    JournalError,
+    JournalLocked,
+    SandbxPoolError,
+    WorkspaceError,
+)
 from sandbx_pool.logs import logger
 
 if TYPE_CHECKING:
@@ -329,8 +335,8 @@ def _run(
             if report is None:
                 # A --journal that cannot be opened, or that another pool holds, is the
                 # command's input, as a bad workspace is: refused before anything ran.
-                journal_refused = isinstance(exc, JournalError | JournalLocked)
-                return EXIT_USAGE if journal_refused else EXIT_FAILED
+                refused = isinstance(exc, JournalError | JournalLocked | WorkspaceError)
+                return EXIT_USAGE if refused else EXIT_FAILED
         assert report is not None
         if stopper.signum is not None:
             report.stopped = True

@@ -322,7 +322,7 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def _main(argv: list[str]) -> int:
-    from sandbx_pool.errors import ConfigError, JournalError, JournalLocked
+    from sandbx_pool.errors import ConfigError, JournalError, JournalLocked, WorkspaceError
     from sandbx_pool.logs import configure_logging
 
     parser = build_parser()
@@ -340,7 +340,7 @@ def _main(argv: list[str]) -> int:
     try:
         code: int = args.func(args)
         sys.stdout.flush()  # here, so that a reader gone away is met below
-    except (ConfigError, JournalError, JournalLocked) as exc:
+    except (ConfigError, JournalError, JournalLocked, WorkspaceError) as exc:
         # Bad input is one line naming the file and the key, never a traceback; so is a
         # --journal whose directory is not writable, or that another pool holds.
         return _usage_error(f"{args.command}: {exc}")

@@ -49,7 +49,7 @@ from mcp.shared.exceptions import MCPError
 
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import Config
-from sandbx_pool.errors import JournalError, JournalLocked, SandbxPoolError
+from sandbx_pool.errors import JournalError, JournalLocked, SandbxPoolError, WorkspaceError
 from sandbx_pool.integrations.result_text import bash_output, result_text
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
@@ -431,7 +431,7 @@ def run(
         return run_until_signalled(
             lambda stopper: serve(stopper, workspace, config, journal, deadline, session)
         )
-    except (JournalError, JournalLocked) as exc:
+    except (JournalError, JournalLocked, WorkspaceError) as exc:
         # The command's input, as a bad workspace is (exit 2, one line): a --journal that
         # cannot be opened, or that another pool holds.
         print(f"sandbx-pool mcp: {exc}", file=sys.stderr)
