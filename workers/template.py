@@ -72,8 +72,13 @@ from sandbx_pool.workers.protocol import (
 )
 from sandbx_pool.workers.schemas import parse_args
 
-#: How long shutdown waits to reap the workers it killed before leaving the stuck ones behind.
-SHUTDOWN_REAP_S = 2.0
+#: How long shutdown waits, in all, to reap the workers it killed and remove their cgroups
+#: before leaving the stuck ones behind. A killed worker that is not stuck dies in milliseconds;
+#: the pool's close() promises to wait at most 2 s for one that is (docs/design.md), and this is
+#: most of that.
+SHUTDOWN_WAIT_S = 1.5
+#: The part of it kept for the cgroups (a stuck worker's cannot be removed anyway).
+SHUTDOWN_CGROUP_S = 0.25
 
 #: How many times the template walks a worker's path before its first fork. CPython 3.11
 #: specializes a function's bytecode after its 8th call, and its inline caches settle over the
@@ -125,6 +130,8 @@ class Template:
         # waits for its call). A pipe whose write end siblings briefly share cannot promise that.
         self.own_pidfd = os.pidfd_open(os.getpid())
         self.wakeup_read, self.wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: Every worker's stdin, stdout and stderr (containment.release_standard_streams).
+        self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         self.selector = selectors.DefaultSelector()
         # The file tools' Landlock ruleset, once the coordinator has said for which workspace.
         self.file_rules: rules.FileRules | None = None
@@ -298,6 +305,7 @@ class Template:
                 except OSError as exc:
                     print(f"worker cannot join the idle cgroup: {exc}", file=sys.stderr)
                     os._exit(EXIT_NO_CGROUP)
+            containment.release_standard_streams(self.devnull)
             assert self.endpoint is not None  # on_control forks only once Attach came
             runtime.serve(
                 token,
@@ -389,7 +397,7 @@ class Template:
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-        deadline = time.monotonic() + SHUTDOWN_REAP_S
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S - SHUTDOWN_CGROUP_S
         # Until we have no child at all, not just no worker: in subreaper mode the orphans a
         # dying worker leaves come to us, and leaving before sweeping them would hand them to
         # init, alive.
@@ -403,7 +411,7 @@ class Template:
         # dies (its PDEATHSIG fires with us) when the kernel lets it go. Its cgroup stays: the
         # next template's cleanup_stale removes it.
         if self.pids_cgroup is not None:
-            self.pids_cgroup.close()
+            self.pids_cgroup.close(SHUTDOWN_CGROUP_S)
         self.memories.close()
 
 

@@ -204,7 +204,10 @@ async def showing(progress: Progress | None) -> AsyncIterator[None]:
 
 
 def format_summary(report: BatchReport) -> list[str]:
-    """The table printed when a run ends: counts by status and tool, latency, slowest calls."""
+    """The table printed when a run ends: counts by status and tool, latency, slowest calls.
+
+    It names no command: what runs the rest depends on who ran the batch (``run`` prints the
+    exact ``--resume`` or ``--rerun-started`` command after it; ``demo`` has neither)."""
     rate = len(report.results) / report.wall_s if report.wall_s > 0 else 0.0
     skipped = ""
     if report.in_doubt:
@@ -220,7 +223,9 @@ def format_summary(report: BatchReport) -> list[str]:
     ]
     if report.not_run:
         why = "stopped" if report.stopped else "not run"
-        lines.append(f"{report.not_run} of {report.total} call(s) {why}: run again with --resume")
+        if report.held and not report.stopped:
+            why = "not run: they come after a call in doubt"
+        lines.append(f"{report.not_run} of {report.total} call(s) {why}")
     if report.failure:
         lines.append(f"failure: {report.failure}")
     if report.results:
