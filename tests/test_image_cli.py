@@ -332,3 +332,16 @@ def test_call_in_an_image_without_overlays_exits_4_naming_why(tmp_path: Path) ->
     assert done.stderr.startswith("sandbx-pool call: --image: layers need a mount namespace")
     assert len(done.stderr.splitlines()) == 1
     assert _layers_left(tmp_path) == []
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+def test_a_pulled_images_user_is_the_calls(tmp_path: Path) -> None:
+    """The User of the image's config, through the store (workers.image_user has the rest)."""
+    layout = _busybox_layout(tmp_path)
+    write_layout(layout, [busybox_layer()], tag="as-user", user="4242:4343")
+    done = _call(
+        tmp_path, "bash", "command=busybox id -u; busybox id -g; echo $HOME", "--no-stream",
+        ref=f"oci:{layout}:as-user",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["value"]["stdout"] == "4242\n4343\n/\n"
