@@ -15,6 +15,10 @@ open: a signal closes the pool under the call (signals.Stopper), and a closed po
 can no longer be removed through it. By then no worker of ours mounts the layer, and its
 name, random, is no other pool's. A second SIGINT exits at once (signals) and leaves the
 layer behind, as it leaves everything: it is named ``call-...`` in the layer store.
+
+A signal while the image is being pulled stops the command once the pull has ended: a pull
+runs whole on its thread (sandbx_pool.images; the store keeps nothing half-made), and a
+second SIGINT is the way out before that.
 """
 
 from __future__ import annotations
@@ -78,12 +82,18 @@ def run_in_image(
             async with pool:
                 try:
                     layer = await pool.layer(name, image=args.image)
-                except ImageError as exc:
+                except (PoolClosed, ImageError, ValueError, LayerUnavailable) as exc:
+                    if stopper.signum is not None:
+                        # The stop closed the pool under the layer being made (a shutdown
+                        # reads as "no layer"): the runner says 128 + N, nothing more.
+                        return EXIT_FAILED
+                    if isinstance(exc, LayerUnavailable):
+                        return fail(str(exc), EXIT_NO_LAYERS)
+                    if isinstance(exc, PoolClosed):
+                        raise
+                    # ImageError, or a ValueError: an image no layer can lie over
+                    # (image_layer.check)
                     return fail(str(exc), EXIT_IMAGE)
-                except ValueError as exc:  # an image no layer can lie over (image_layer.check)
-                    return fail(str(exc), EXIT_IMAGE)
-                except LayerUnavailable as exc:
-                    return fail(str(exc), EXIT_NO_LAYERS)
                 try:
                     outcome = await pool.call(
                         args.tool,
