@@ -63,9 +63,13 @@ def test_one_layer_is_over_one_image(tmp_path: Path, second: dict[str, Any], pro
 
 def test_every_line_of_a_layer_takes_its_image(tmp_path: Path) -> None:
     calls = tmp_path / "calls.jsonl"
-    lines = [{"tool": "ls", "layer": "a"}, {"tool": "ls", "layer": "a", "image": REF}]
+    lines = [
+        {"tool": "ls", "layer": "a"},
+        {"tool": "ls", "layer": "a", "image": REF},
+        {"tool": "ls", "layer": "a", "image": f"docker://{REF}"},  # the same image
+    ]
     calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert [spec.image for spec in load_batch(calls).calls] == [REF, REF]
+    assert [spec.image for spec in load_batch(calls).calls] == [f"docker://{REF}"] * 3
 
 
 def _run(calls: Path, root: Path, config: Path, journal: Path, *more: str) -> str:

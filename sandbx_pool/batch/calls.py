@@ -33,9 +33,10 @@ than direct do not go with ``layer``. The layers stay after the run (``Layer.dif
 a sample changed; remove them with ``Layer.remove``).
 
 ``image`` instead of ``base`` lays the layer over a container image (``Pool.layer``'s
-``image``: the image is the call's ``/``): a reference as ``sandbx-pool image pull`` takes it,
-checked here for form (``images.refs``). Every line of a layer names the same image (as
-written) or none, and no line of it a ``base``. Each image is found in the store or pulled
+``image``: the image is the call's ``/``): a reference as ``sandbx-pool image pull`` takes it
+(a relative ``oci:`` path is from the directory the run starts in), checked here for form and
+kept canonical (``images.refs``). Every line of a layer names the same image or none, and no
+line of it a ``base``. Each image is found in the store or pulled
 once per run, by the first line that needs it; later layers over it take the same one.
 
 ``id`` is what ``--resume`` and the journal know the call by. Without one, the id is derived
@@ -115,7 +116,7 @@ class CallSpec(msgspec.Struct, frozen=True, kw_only=True):
     layer: str | None = None
     #: Its base (relative: under the workspace root), as any line of the layer names it.
     base: str | None = None
-    #: The image it lies over instead (a reference), as any line of the layer names it.
+    #: The image it lies over instead (a canonical reference), as any line of the layer names it.
     image: str | None = None
     #: The shell session it runs in (sandbx_pool.sessions), or None.
     session: str | None = None
@@ -339,10 +340,11 @@ def _image(value: Any, layer: str | None, base: str | None) -> str | None:
     if not isinstance(value, str):
         raise _BadLine(f'"image" must be an image reference, got {_json_type(value)}')
     try:
-        parse_ref(value)
+        # Canonical: two spellings of one image are one image (``python`` and
+        # ``docker.io/library/python:latest``), and a relative ``oci:`` path is the run's.
+        return parse_ref(value).canonical
     except ValueError as exc:
         raise _BadLine(f'"image": {exc}') from None
-    return value
 
 
 def _same_images(calls: list[CallSpec], problems: list[LineProblem]) -> list[CallSpec]:
