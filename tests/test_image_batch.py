@@ -160,3 +160,20 @@ def test_an_image_line_with_ray_is_refused(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr == "sandbx-pool run: layers over images need a local pool, not --ray\n"
+
+
+def test_an_image_that_cannot_be_pulled_stops_the_run_naming_the_line(tmp_path: Path) -> None:
+    require("skopeo", "skopeo")
+    missing = tmp_path / "no-layout"
+    calls = tmp_path / "calls.jsonl"
+    lines = [{"tool": "ls", "layer": "a", "image": f"oci:{missing}"}]
+    calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = marked_toml(tmp_path / "pool.toml", f'[images]\nstore = "{tmp_path / "store"}"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "sandbx_pool.cli", "run", str(calls), "--workspace",
+         str(tmp_path), "--config", str(config), "--journal", str(tmp_path / "j.jsonl")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert f"failure: line 1: oci:{missing}: skopeo copy failed" in done.stdout
+    assert "resume with: " in done.stdout
