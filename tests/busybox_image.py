@@ -7,6 +7,7 @@ the layer store in the test's directory, so nothing outlives it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -67,13 +68,57 @@ def write_busybox_image(layout: Path, tag: str = "v1", *, extra: list[Entry] | N
     return f"oci:{layout}:{tag}"
 
 
-def pool_toml(directory: Path, *, extra: str = "") -> str:
-    """A pool config file keeping the image store and the layers under ``directory``; every
-    command carries the session marker; no spare worker is forked."""
+def pool_toml(directory: Path, *, insecure: tuple[str, ...] = (), extra: str = "") -> str:
+    """A pool config file keeping the image store and the layers under ``directory`` (and
+    ``insecure`` registries pulled over plain HTTP); every command carries the session marker;
+    no spare worker is forked."""
     path = directory / "pool.toml"
     path.write_text(
-        f'[pool]\nprefork = 0\n\n[images]\nstore = "{directory / "images"}"\n\n'
+        f'[pool]\nprefork = 0\n\n[images]\nstore = "{directory / "images"}"\n'
+        f"insecure = {json.dumps(list(insecure))}\n\n"
         f'[workspace]\nlayers = "{directory / "layers"}"\n\n'
         f'[env.set]\n{MARKER} = "{os.environ[MARKER]}"\n{extra}'
     )
     return str(path)
+
+
+def host_bash_entries() -> list[Entry]:
+    """The host's bash as /bin/bash, with the libraries it links at their paths: an image layer
+    for tools that run ``bash`` (Harbor's agents and verifiers do)."""
+    bash = os.path.realpath("/bin/bash")
+    listed = subprocess.run(["ldd", bash], capture_output=True, text=True, check=True).stdout
+    paths = [
+        line.split("=>")[-1].split("(")[0].strip()
+        for line in listed.splitlines()
+        if line.split("=>")[-1].split("(")[0].strip().startswith("/")
+    ]
+    entries, directories = [Entry("bin/bash", "file", Path(bash).read_bytes(), mode=0o755)], set()
+    for path in paths:
+        parent = os.path.dirname(path).lstrip("/")
+        while parent and parent not in directories:
+            directories.add(parent)
+            parent = os.path.dirname(parent)
+        data = Path(os.path.realpath(path)).read_bytes()
+        entries.append(Entry(path.lstrip("/"), "file", data, mode=0o755))
+    dirs = [Entry(d, "dir", mode=0o755) for d in sorted(directories)]
+    return dirs + entries
+
+
+def pids_with_argv(*argv: str) -> list[int]:
+    """Live processes whose whole argv is ``argv`` (busybox's applets cannot run under another
+    argv[0], so a test tags them by an argument: ``sleep 1234567``)."""
+    wanted = b"\0".join(a.encode() for a in argv) + b"\0"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if cmdline == wanted and state != "Z":
+            found.append(int(entry))
+    return found

@@ -24,9 +24,9 @@ import pytest_asyncio
 
 pytest.importorskip("inspect_ai", reason="needs the 'inspect' extra")
 
-from busybox_image import pool_toml, write_busybox_image
+from busybox_image import pids_with_argv, pool_toml, write_busybox_image
 from conftest import doctor_checks
-from helpers import journal_records, marked_pool_toml, pids_with, unique_tag
+from helpers import journal_records, marked_pool_toml, pids_with, unique_tag, wait_until
 from inspect_ai import Task, eval_async
 from inspect_ai.dataset import Sample
 from inspect_ai.event import InfoEvent
@@ -138,13 +138,19 @@ async def test_timeout_kills_the_tree_on_the_host(sandbox_env: SandboxEnvironmen
     # namespace shows nothing of another call's processes; here we look from the host.
     tag = unique_tag()
     argv = ["bash", "-c", f"(exec -a {tag} sleep 1000) & wait"]
-    if sandbox_env.as_type(SandbxSandboxEnvironment).layer is not None:
-        # busybox's sh has no `exec -a`: a sleep of a length no other process has.
+    in_image = sandbox_env.as_type(SandbxSandboxEnvironment).layer is not None
+    if in_image:
+        # busybox's applets cannot run under another argv[0]: a sleep of a length no other
+        # process has, seen running first.
         tag = str(10**6 + int(time.time_ns() % 10**6))
         argv = ["sh", "-c", f"sleep {tag} & wait"]
+    running = asyncio.create_task(sandbox_env.exec(argv, timeout=2))
+    if in_image:
+        await wait_until(lambda: bool(pids_with_argv("sleep", tag)), 5, "the sleep to start")
     with pytest.raises(TimeoutError):
-        await sandbox_env.exec(argv, timeout=1)
+        await running
     assert pids_with(tag) == []
+    assert pids_with_argv("sleep", tag) == []
 
 
 async def test_signal_death_reports_128_plus_n(sandbox_env: SandboxEnvironment) -> None:
