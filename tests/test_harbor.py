@@ -137,7 +137,7 @@ def test_the_oracle_passes_prebuilt_built_and_allow_listed_tasks_in_parallel(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _rewards(tmp_path / "jobs") == {"prebuilt": 1.0, "built": 1.0, "allowlisted": 1.0}
     assert sorted(os.listdir(tmp_path / "layers")) == []  # every trial's layer removed
-    # The built image is cached by its context's hash: a second job builds nothing.
+    # The built image is kept once, under its build context's hash (the next job reuses it).
     builds = sorted(os.listdir(tmp_path / "harbor-builds"))
     assert len([b for b in builds if not b.endswith(".lock")]) == 1
 
