@@ -70,6 +70,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import load_config
 from sandbx_pool.image_layer import start_dir
+from sandbx_pool.images import Image
 from sandbx_pool.integrations import inspect_cancel, inspect_compose, inspect_eval
 from sandbx_pool.layers import Layer
 from sandbx_pool.logs import logger
@@ -186,6 +187,9 @@ class _Task:
         self.directory = directory
         #: Samples initialised and not yet cleaned up (inspect_eval: the pool admits as many).
         self.samples = 0
+        #: image=: the image, found or pulled once by task_init; every sample's layer lies
+        #: over it (the reference is not looked up again per sample).
+        self.image: Image | None = None
 
     def sample_started(self) -> None:
         self.samples += 1
@@ -266,8 +270,7 @@ async def _open_task(settings: SandbxConfig) -> _Task:
             )
         if settings.base is not None or settings.image is not None:
             await _remove_abandoned_layers(pool)
-        if settings.image is not None:  # pulled once, before any sample waits for it
-            await pool.image(settings.image)
+        image = await pool.image(settings.image) if settings.image is not None else None
         template = os.path.join(settings.root, f"{TASK_DIR_PREFIX}{owner_tag()}-XXXXXX")
         made = await _check(pool, ["mktemp", "-d", template], cwd=settings.workspace)
         directory = made.stdout.strip()
@@ -278,7 +281,9 @@ async def _open_task(settings: SandbxConfig) -> _Task:
         raise
     if pool.journal is not None:  # once per task; each sample's log names it too
         inspect_eval.announce_journal(pool.journal.path)
-    return _Task(settings, pool, directory)
+    task = _Task(settings, pool, directory)
+    task.image = image
+    return task
 
 
 async def _remove_abandoned_layers(pool: Pool) -> None:
@@ -444,7 +449,7 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         if task.settings.image is not None:
             # A layer over the image, named as the base's are (abandoned ones are found).
             name = f"{os.path.basename(task.directory)}-sample-{uuid.uuid4().hex[:12]}"
-            over_image = await task.pool.layer(name, image=task.settings.image)
+            over_image = await task.pool.layer(name, image=task.image)
             task.sample_started()
             if task.journal_path is not None:
                 inspect_eval.record_journal(task.journal_path)
