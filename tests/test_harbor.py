@@ -24,7 +24,6 @@ import pytest
 pytest.importorskip("harbor", reason="needs the 'harbor' extra (Python 3.12+)")
 
 from busybox_image import host_bash_entries, pids_with_argv, pool_toml, write_busybox_image
-from conftest import doctor_checks
 from harbor.environments.base import HealthcheckError
 from harbor.models.task.config import (
     EnvironmentConfig,
@@ -40,9 +39,7 @@ from test_image_registry import Registry, _start
 from sandbx_pool.integrations import harbor_build
 from sandbx_pool.integrations.harbor import SandbxEnvironment
 
-pytestmark = pytest.mark.skipif(
-    not doctor_checks()["mount namespaces"].ok, reason="layers need a mount namespace"
-)
+pytestmark = pytest.mark.needs("overlayfs layers (pool.layer)")
 asyncio_test = pytest.mark.asyncio(loop_scope="function")
 
 DOTTED = "sandbx_pool.integrations.harbor:SandbxEnvironment"

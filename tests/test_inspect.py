@@ -46,8 +46,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 #: A sample's view needs a mount namespace per call (doctor: root with CAP_SYS_ADMIN, or user
 #: namespaces); elsewhere the provider refuses view="sample", and only "host" runs.
 VIEWS = ("sample", "host") if doctor_checks()["mount namespaces"].ok else ("host",)
-#: The same suite on samples in an image, where layers mount (doctor's overlay check).
-KINDS = (*VIEWS, "image") if "sample" in VIEWS else VIEWS
+#: The same suite on samples in an image, where layers over it mount (doctor's check).
+KINDS = (*VIEWS, "image") if doctor_checks()["overlayfs layers (pool.layer)"].ok else VIEWS
 
 #: Checks that cannot pass here, keyed by view and name, with the reason. Keep this short.
 EXPECTED_FAILURES: dict[str, dict[str, str]] = {

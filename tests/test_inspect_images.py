@@ -16,7 +16,6 @@ import pytest
 pytest.importorskip("inspect_ai", reason="needs the 'inspect' extra")
 
 from busybox_image import WORKDIR, pool_toml, write_busybox_image
-from conftest import doctor_checks
 from helpers import journal_records
 from inspect_ai import Task, eval_async
 from inspect_ai.dataset import Sample
@@ -26,9 +25,7 @@ from inspect_ai.util import sandbox
 from sandbx_pool.integrations import inspect_compose
 from sandbx_pool.integrations.inspect_provider import SandbxConfig, SandbxSandboxEnvironment
 
-pytestmark = pytest.mark.skipif(
-    not doctor_checks()["mount namespaces"].ok, reason="layers need a mount namespace"
-)
+pytestmark = pytest.mark.needs("overlayfs layers (pool.layer)")
 
 
 def _layers(directory: Path) -> list[str]:

@@ -351,6 +351,7 @@ def _layers(tmp_path: Path) -> list[str]:
     return sorted(os.listdir(store)) if store.exists() else []
 
 
+@pytest.mark.needs("overlayfs layers (pool.layer)")
 def test_an_image_environment_runs_in_its_own_layer_removed_at_close(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -403,6 +404,7 @@ def test_an_image_environment_runs_in_its_own_layer_removed_at_close(
     assert _layers(tmp_path) == []
 
 
+@pytest.mark.needs("overlayfs layers (pool.layer)")
 def test_the_default_agent_submits_from_an_image(tmp_path: Path) -> None:
     ref = write_busybox_image(tmp_path / "layout")
     model = DeterministicModel(
