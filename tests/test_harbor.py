@@ -244,4 +244,10 @@ async def test_a_dockerfile_without_buildah_is_one_error_naming_it(
         await env.start(force_build=False)
     monkeypatch.undo()
     await env.stop(delete=True)  # nothing started: nothing to do
+    # An image that cannot be had: one error naming it, the trial's pool closed, no layer.
+    missing = _environment(tmp_path, tmp_path / "other", docker_image=f"oci:{tmp_path}/none:v1")
+    with pytest.raises(Exception, match="none"):
+        await missing.start(force_build=False)
+    assert missing.pool is None
+    await missing.stop(delete=True)
     assert not (tmp_path / "layers").exists() or os.listdir(tmp_path / "layers") == []

@@ -137,8 +137,8 @@ class SandbxEnvironment(BaseEnvironment):
         workspace = tempfile.gettempdir()  # lexical only: every call runs in the layer
         pool = Pool(workspace, workers=self.options.workers, config=self._config)
         self.pool = pool
-        await pool.start()
         try:
+            await pool.start()
             self.layer = await pool.layer(_layer_name(self.session_id), image=self.image_ref)
             await self.ensure_dirs(self._mount_targets(writable_only=True))
             await self._upload_environment_dir_after_start()
