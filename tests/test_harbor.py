@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +67,49 @@ def image_ref(tmp_path: Path, registry: Registry) -> str:
     return registry.push(tmp_path / "layout", "v1", "tasks/base")
 
 
+#: Where the allow-listed task's "listed.test" is pinned (network_hosts): a loopback address of
+#: its own, port 80 (a name in an allow-list is reached on the standard ports).
+LISTED_ADDRESS = "127.0.0.42"
+
+#: The allow-listed task's solution: a direct connection, then the proxy asked for the listed
+#: name and for another, each answer's status line into the answer file.
+ALLOWLISTED_SOLVE = r"""
+if (exec 3<>/dev/tcp/127.0.0.1/PORT) 2>/dev/null; then direct=reached; else direct=unreachable; fi
+proxy=${HTTP_PROXY#http://}; proxy=${proxy%/}
+ask() {
+    exec 5<>"/dev/tcp/${proxy%:*}/${proxy##*:}"
+    printf 'GET http://%s/ HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n' "$1" "$1" >&5
+    head -1 <&5 | tr -d '\r'
+}
+echo "$direct|$(ask listed.test)|$(ask not-listed.test)" > /srv/work/answer
+"""
+
+
+@pytest.fixture
+def listed_server() -> Iterator[None]:
+    """An HTTP server answering 200 on LISTED_ADDRESS:80, in this process."""
+    server = http.server.ThreadingHTTPServer((LISTED_ADDRESS, 80), _Ok)
+    thread = threading.Thread(target=server.serve_forever, name="listed-server")
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+class _Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "3")
+        self.end_headers()
+        self.wfile.write(b"ok\n")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
 def _task(root: Path, name: str, solve: str, expected: str, **environment: object) -> Path:
     task = root / name
     (task / "environment").mkdir(parents=True)
@@ -101,7 +146,7 @@ def _rewards(jobs: Path) -> dict[str, float]:
 
 
 def test_the_oracle_passes_prebuilt_built_and_allow_listed_tasks_in_parallel(
-    tmp_path: Path, image_ref: str
+    tmp_path: Path, image_ref: str, listed_server: None
 ) -> None:
     require("buildah", "buildah")
     tasks = tmp_path / "tasks"
@@ -113,20 +158,23 @@ def test_the_oracle_passes_prebuilt_built_and_allow_listed_tasks_in_parallel(
         "42",
         Dockerfile=f"FROM {image_ref}\nRUN echo 6 > /srv/work/base\n",
     )
-    # Allow-listed: the call has the pool's proxy in its environment and no other way out
-    # (the registry, on the host's loopback, is not reachable directly).
+    # Allow-listed: through the pool's proxy (HTTP_PROXY) the listed name answers and another
+    # is refused; nothing is reached directly (the registry, on the host's loopback).
     port = image_ref.split("/")[0].split(":")[1]
     _task(
         tasks,
         "allowlisted",
-        f"if (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; then r=reached; else r=unreachable;"
-        ' fi; echo "$r-${HTTP_PROXY:+proxied}" > /srv/work/answer',
-        "unreachable-proxied",
+        ALLOWLISTED_SOLVE.replace("PORT", port),
+        "unreachable|HTTP/1.0 200 OK|HTTP/1.1 403 Forbidden",
         docker_image=image_ref,
         network_mode="allowlist",
         allowed_hosts=["listed.test"],
     )
-    config = pool_toml(tmp_path, insecure=(image_ref.split("/")[0],))
+    config = pool_toml(
+        tmp_path,
+        insecure=(image_ref.split("/")[0],),
+        extra=f'\n[sandbox.network_hosts]\n"listed.test" = "{LISTED_ADDRESS}"\n',
+    )
     done = _harbor(
         "-p", str(tasks), "-a", "oracle", "-n", "2", "-e", DOTTED, "--ek", f"config={config}",
         "-o", str(tmp_path / "jobs"), cwd=tmp_path,
