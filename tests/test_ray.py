@@ -354,6 +354,39 @@ def test_the_cli_runs_a_batch_on_the_cluster(cluster: Cluster, root: Path, tmp_p
     assert "8 skipped" in resumed.stdout
 
 
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+def test_the_cli_runs_image_lines_on_the_cluster(
+    cluster: Cluster, root: Path, tmp_path: Path
+) -> None:
+    ref = write_busybox_image(tmp_path / "layout")
+    lines = [
+        {
+            "id": f"i{n}",
+            "tool": "bash",
+            "args": {"command": f"echo {n} > mine; cat /etc/os-release mine"},
+            "layer": f"cli-image-{n}",
+            "image": ref,
+        }
+        for n in range(4)
+    ]
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    journal = tmp_path / "j.jsonl"
+    argv = [sys.executable, "-m", "sandbx_pool.cli", "run", str(calls), "--workspace", str(root)]
+    argv += ["--ray", cluster.address, "--journal", str(journal), "--parallel", "4"]
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    outcomes = {r.call_id: r for r in read_journal(journal).records if isinstance(r, OutcomeRecord)}
+    assert sorted(outcomes) == [f"i{n}" for n in range(4)]
+    for n in range(4):
+        record = outcomes[f"i{n}"]
+        assert record.status == "ok", record
+        assert record.value_summary is not None
+        assert record.value_summary["stdout"] == f"NAME=busybox-image\n{n}\n"
+    assert {r.node for r in outcomes.values()} == live_nodes()
+
+
 def test_a_signal_stops_a_cluster_batch_and_its_calls(
     cluster: Cluster, root: Path, tmp_path: Path
 ) -> None:
