@@ -52,9 +52,11 @@ def busybox_userland() -> Layer:
     return Layer(entries)
 
 
-def write_busybox_image(layout: Path, tag: str = "v1", *, extra: list[Entry] | None = None) -> str:
-    """The busybox image (plus ``extra`` entries as a layer of their own) at ``layout:tag``;
-    its reference."""
+def write_busybox_image(
+    layout: Path, tag: str = "v1", *, extra: list[Entry] | None = None, user: str = ""
+) -> str:
+    """The busybox image (plus ``extra`` entries as a layer of their own; ``user`` its config's
+    User) at ``layout:tag``; its reference."""
     layers = [busybox_userland()]
     if extra:
         layers.append(Layer(extra))
@@ -64,6 +66,7 @@ def write_busybox_image(layout: Path, tag: str = "v1", *, extra: list[Entry] | N
         tag=tag,
         env=("PATH=/usr/sbin:/usr/bin:/sbin:/bin", "IMAGE_VAR=from-image"),
         workdir=WORKDIR,
+        user=user,
     )
     return f"oci:{layout}:{tag}"
 

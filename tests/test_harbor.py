@@ -280,6 +280,24 @@ async def test_exec_files_network_and_stop(tmp_path: Path, image_ref: str) -> No
 
 
 @asyncio_test
+async def test_an_images_user_runs_commands_unless_harbor_names_root(tmp_path: Path) -> None:
+    ref = write_busybox_image(tmp_path / "layout", extra=host_bash_entries(), user="nobody")
+    env = _environment(tmp_path, tmp_path / "task", docker_image=ref)
+    await env.start(force_build=False)
+    try:
+        assert (await env.exec("id -u")).stdout == "65534\n"  # the image's User, as docker
+        assert (await env.exec("id -u", user="root")).stdout == "0\n"
+        assert (await env.exec("id -u", user=0)).stdout == "0\n"
+        with env.with_default_user("root"):
+            assert (await env.exec("id -u")).stdout == "0\n"
+        # What Harbor does as root (its log directories) works; as the image's User it may not.
+        assert (await env.exec("mkdir /logs-made", user="root")).return_code == 0
+        assert (await env.exec("mkdir /not-as-nobody")).return_code != 0
+    finally:
+        await env.stop(delete=True)
+
+
+@asyncio_test
 async def test_a_dockerfile_without_buildah_is_one_error_naming_it(
     tmp_path: Path, image_ref: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

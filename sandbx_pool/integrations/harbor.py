@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import msgspec
 from harbor.environments.base import (
     BaseEnvironment,
     ExecResult,
@@ -93,6 +94,9 @@ class SandbxEnvironment(BaseEnvironment):
         self.pool: Pool | None = None
         self.layer: Layer | None = None
         self.image_ref: str | None = None
+        #: The image's User: who a command runs as when Harbor names no user, as ``docker
+        #: exec`` runs it (the layer's own calls are root, so that ``user="root"`` can be).
+        self.image_user: str | None = None
 
     @staticmethod
     def type() -> str:
@@ -139,7 +143,10 @@ class SandbxEnvironment(BaseEnvironment):
         self.pool = pool
         try:
             await pool.start()
-            self.layer = await pool.layer(_layer_name(self.session_id), image=self.image_ref)
+            image = await pool.image(self.image_ref)
+            self.image_user = image.user.strip() or None
+            as_root = msgspec.structs.replace(image, user="")
+            self.layer = await pool.layer(_layer_name(self.session_id), image=as_root)
             await self.ensure_dirs(self._mount_targets(writable_only=True))
             await self._upload_environment_dir_after_start()
         except BaseException:
@@ -174,8 +181,10 @@ class SandbxEnvironment(BaseEnvironment):
     ) -> ExecResult:
         args: dict[str, Any] = {"command": command}
         who = self._resolve_user(user)
+        if who is None:
+            who = self.image_user
         if who is not None and str(who) not in ("root", "0"):  # calls are root already
-            args["user"] = str(who)
+            args["user"] = str(who).split(":", 1)[0]  # USER name[:group]: the name's groups
         async with _Stream(self._output_callback()) as stream:
             outcome = await self._call(
                 "bash",
