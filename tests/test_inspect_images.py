@@ -144,3 +144,26 @@ async def test_an_eval_runs_its_samples_in_the_compose_files_image(
         assert sample.metadata["where"] == "/tmp\nset\n"
         assert sample.metadata["answer"] == sample.input
     assert _layers(tmp_path) == []
+
+
+@pytest.mark.asyncio
+async def test_an_images_user_runs_the_sample_and_root_is_root(tmp_path: Path) -> None:
+    config = SandbxConfig(
+        journal=str(tmp_path / "journal.jsonl"),
+        pool_config=pool_toml(tmp_path),
+        image=write_busybox_image(tmp_path / "layout", user="nobody"),
+    )
+    await SandbxSandboxEnvironment.task_init("t", config)
+    try:
+        made = await SandbxSandboxEnvironment.sample_init("t", config, {})
+        box = made["default"]
+        assert (await box.exec(["id", "-u"])).stdout == "65534\n"  # as docker runs it
+        assert (await box.exec(["id", "-u"], user="root")).stdout == "0\n"
+        # The file tools run as the image's User too: root's directory is not theirs.
+        with pytest.raises(PermissionError):
+            await box.write_file("/root/x", "no")
+        await box.write_file("/tmp/mine", "yes")
+        assert (await box.exec(["stat", "-c", "%u", "/tmp/mine"])).stdout == "65534\n"
+        await SandbxSandboxEnvironment.sample_cleanup("t", config, made, False)
+    finally:
+        await SandbxSandboxEnvironment.task_cleanup("t", config, True)

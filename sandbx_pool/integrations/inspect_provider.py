@@ -55,6 +55,7 @@ import shlex
 import uuid
 from typing import Any, Literal, overload
 
+import msgspec
 from inspect_ai.util import (
     ExecResult,
     OutputLimitExceededError,
@@ -190,6 +191,15 @@ class _Task:
         #: image=: the image, found or pulled once by task_init; every sample's layer lies
         #: over it (the reference is not looked up again per sample).
         self.image: Image | None = None
+        #: Its User (None: root): who a sample's calls run as when they name none, as docker
+        #: runs them; the layers lie over the image with its User cleared, so that
+        #: ``user="root"`` is root.
+        self.image_user: str | None = None
+
+    @property
+    def user(self) -> str | None:
+        """Who the samples' calls run as when an exec names no user."""
+        return self.settings.user if self.settings.user is not None else self.image_user
 
     def sample_started(self) -> None:
         self.samples += 1
@@ -282,7 +292,9 @@ async def _open_task(settings: SandbxConfig) -> _Task:
     if pool.journal is not None:  # once per task; each sample's log names it too
         inspect_eval.announce_journal(pool.journal.path)
     task = _Task(settings, pool, directory)
-    task.image = image
+    if image is not None:
+        task.image_user = image.user.strip().split(":", 1)[0] or None
+        task.image = msgspec.structs.replace(image, user="")
     return task
 
 
@@ -550,7 +562,7 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
             cwd=self._path(cwd) if cwd is not None else self.workdir,
             input=input,
             env=env,
-            user=user if user is not None else self.task.settings.user,
+            user=user if user is not None else self.task.user,
             timeout=timeout,
             view=self.view,
             **self._in_layer,
@@ -559,8 +571,8 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
     async def write_file(self, file: str, contents: str | bytes) -> None:
         data = contents.encode("utf-8") if isinstance(contents, str) else bytes(contents)
         args: dict[str, Any] = {"path": self._path(file), "content": "", "content_bytes": data}
-        if self.task.settings.user is not None:
-            args["user"] = self.task.settings.user
+        if self.task.user is not None:
+            args["user"] = self.task.user
         outcome = await _call(
             self.task.pool,
             "write",
@@ -583,8 +595,8 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         args: dict[str, Any] = {"path": self._path(file), "encoding": "bytes"}
-        if self.task.settings.user is not None:
-            args["user"] = self.task.settings.user  # as exec and write_file: file modes hold
+        if self.task.user is not None:
+            args["user"] = self.task.user  # as exec and write_file: file modes hold
         outcome = await _call(
             self.task.pool,
             "read",
