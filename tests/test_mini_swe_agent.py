@@ -398,9 +398,10 @@ def test_an_image_environment_runs_in_its_own_layer_removed_at_close(
         two.close()
     assert _layers(tmp_path) == []
     # The image stays in the store for the next environment: pulled once.
-    again = _image_env(tmp_path, ref, cwd="/tmp")
+    assert not os.path.exists(WORKDIR)  # a path of the image's only
+    again = _image_env(tmp_path, ref, cwd=WORKDIR)
     try:
-        assert again.execute({"command": "pwd; ls /srv/work"})["output"] == "/tmp\nREADME\n"
+        assert again.execute({"command": "pwd; ls"})["output"] == f"{WORKDIR}\nREADME\n"
     finally:
         again.close()
     assert _layers(tmp_path) == []

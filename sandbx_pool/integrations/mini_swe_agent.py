@@ -104,7 +104,10 @@ class SandbxEnvironment:
                 "mini-swe-agent: pass_env gives the host's whole environment, which an image's"
                 " commands must not get (its PATH is the image's): name them in forward_env"
             )
-        self.workspace = os.path.abspath(self.config.workspace or self.config.cwd or os.getcwd())
+        # With an image, cwd is a path of the image's, not a host directory: the pool's own
+        # workspace is never a call's there (each runs in the layer).
+        host_cwd = "" if self.config.image else self.config.cwd
+        self.workspace = os.path.abspath(self.config.workspace or host_cwd or os.getcwd())
         chosen = self.config.session
         self.session: str | None = (
             check_id(chosen)
