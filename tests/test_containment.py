@@ -332,10 +332,12 @@ async def test_a_cancel_in_the_startup_window_leaves_nothing(
     token = CancelToken()
     arm = _stop_at(pool, step, lambda: token.cancel(step))
     async with pool:
-        arm()
         assert pool._template is not None
         template = pool._template.pid
         assert template is not None
+        # start's own worker (the workspace check) gone, so the call's is the only one forked.
+        await wait_until(lambda: children(template) == [])
+        arm()
         outcome = await pool.call("write", {"path": "never.txt", "content": "x"}, cancel=token)
         assert outcome.status is Status.CANCELLED
         assert outcome.killed_by is KilledBy.TOKEN
@@ -359,10 +361,12 @@ async def test_a_close_in_the_startup_window_leaves_nothing(
     closing: list[asyncio.Task[None]] = []
     arm = _stop_at(pool, step, lambda: closing.append(asyncio.ensure_future(pool.close())))
     async with pool:
-        arm()
         assert pool._template is not None
         template = pool._template.pid
         assert template is not None
+        # start's own worker (the workspace check) gone, so the call's is the only one forked.
+        await wait_until(lambda: children(template) == [])
+        arm()
         outcome = await pool.call("write", {"path": "never.txt", "content": "x"})
         await closing[0]
     assert outcome.status is Status.CANCELLED
