@@ -38,12 +38,12 @@ FORKS = 16
 APPLETS = ("sh", "true", "sleep", "cat", "ls", "echo")
 PODMAN_IMAGE = "localhost/sandbx-bench-image:3"
 #: What podman needs on a machine like this one: its default rlimits are above this host's
-#: hard ones, and a cgroup v1/v2 hybrid makes crun refuse any cgroup.
+#: hard ones, and a cgroup v1/v2 hybrid makes crun refuse any cgroup (runc, Debian's, runs
+#: there: PODMAN_RUNTIME).
 PODMAN_FLAGS = (
     "--network=none",
     "--ulimit=nofile=1024:1024",
     "--ulimit=nproc=1024:1024",
-    "--cgroups=disabled",
 )
 
 
@@ -177,16 +177,18 @@ def _podman(image: Image, area: Path, samples: int, result: ImagesLayerResult) -
         return
     name = f"sandbx-bench-{os.getpid()}"
     try:
-        probe = _podman_run("run", "--rm", *PODMAN_FLAGS, PODMAN_IMAGE, "true")
+        probe = _podman_run("run", "--rm", *PODMAN_FLAGS, *PODMAN_CGROUPS, PODMAN_IMAGE, "true")
         if probe.returncode != 0:
             result.podman_unavailable = _first_line(probe.stderr)
             return
         for _ in range(samples):
             start = time.perf_counter_ns()
-            _podman_run("run", "--rm", *PODMAN_FLAGS, PODMAN_IMAGE, "true", check=True)
+            _podman_run(
+                "run", "--rm", *PODMAN_FLAGS, *PODMAN_CGROUPS, PODMAN_IMAGE, "true", check=True
+            )
             result.podman_run.add(time.perf_counter_ns() - start)
-        _podman_run("run", "-d", "--name", name, *PODMAN_FLAGS, PODMAN_IMAGE, "sleep", "3600",
-                    check=True)  # fmt: skip
+        flags = (*PODMAN_FLAGS, *PODMAN_CGROUPS)
+        _podman_run("run", "-d", "--name", name, *flags, PODMAN_IMAGE, "sleep", "3600", check=True)
         for _ in range(samples):
             start = time.perf_counter_ns()
             _podman_run("exec", name, "true", check=True)
@@ -209,8 +211,17 @@ def _bwrap(merged: Path, samples: int, result: ImagesLayerResult) -> None:
         result.bwrap_true.add(time.perf_counter_ns() - start)
 
 
+#: podman's runtime: runc where it is installed (crun, podman's default, refuses any container
+#: on a cgroup v1/v2 hybrid: "cgroups in hybrid mode not supported").
+#: crun runs only without cgroups there (which runc refuses).
+PODMAN_RUNTIME = ("--runtime=runc",) if shutil.which("runc") else ()
+PODMAN_CGROUPS = () if PODMAN_RUNTIME else ("--cgroups=disabled",)
+
+
 def _podman_run(*args: str, check: bool = False) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(["podman", *args], capture_output=True, check=check, timeout=120)
+    return subprocess.run(
+        ["podman", *PODMAN_RUNTIME, *args], capture_output=True, check=check, timeout=120
+    )
 
 
 def _first_line(stderr: bytes) -> str:
