@@ -51,8 +51,8 @@ def uptime() -> float:
 async def pool(containment: str, workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
     config = marked_config(pool={"workers": 4}, calls={"grace_s": 0.1})
     async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
-        assert p._template is not None
-        if p._template.containment != containment:
+        assert p.fleet.template is not None
+        if p.fleet.template.containment != containment:
             pytest.skip(f"{containment} containment is not available here")
         yield p
 
@@ -247,8 +247,8 @@ def test_a_pool_started_from_a_short_lived_thread_keeps_serving(
         )
         starter.start()
         starter.join()
-        assert pool._template is not None
-        template = pool._template.pid
+        assert pool.fleet.template is not None
+        template = pool.fleet.template.pid
         assert template is not None
 
         async def serve() -> list[Any]:
@@ -258,7 +258,7 @@ def test_a_pool_started_from_a_short_lived_thread_keeps_serving(
         outcomes = loop.run_until_complete(serve())
         assert [o.status for o in outcomes] == [Status.OK] * 10
         assert alive(template)
-        assert pool._template.pid == template
+        assert pool.fleet.template.pid == template
     finally:
         loop.run_until_complete(pool.close())
         loop.close()
@@ -278,7 +278,7 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
     to the call, whose driver has not resumed yet.
     """
     loop = asyncio.get_running_loop()
-    on_template, on_message = pool._on_template, pool._inbox.deliver
+    on_template, on_message = pool.fleet._on_template, pool.fleet.inbox.deliver
     held: list[tuple[Any, ...]] = []
     state = {"spawned": False, "stopped": False}
 
@@ -301,7 +301,7 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
             fire()
             for args in held:
                 loop.call_soon(on_message, *args)
-        elif step == "handshaking" and pool._workers.busy:
+        elif step == "handshaking" and pool.fleet.workers.busy:
             fire()
 
     def at_message(*args: Any) -> None:
@@ -310,11 +310,11 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
             held.append(args)
             return
         on_message(*args)
-        if not state["stopped"] and step == "handshaking" and pool._workers.busy:
+        if not state["stopped"] and step == "handshaking" and pool.fleet.workers.busy:
             fire()
 
-    pool._on_template = at_template  # type: ignore[method-assign]
-    pool._inbox.deliver = at_message  # type: ignore[method-assign]
+    pool.fleet._on_template = at_template  # type: ignore[method-assign]
+    pool.fleet.inbox.deliver = at_message  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -326,8 +326,8 @@ async def test_a_cancel_in_the_startup_window_leaves_nothing(
     token = CancelToken()
     _stop_at(pool, step, lambda: token.cancel(step))
     async with pool:
-        assert pool._template is not None
-        template = pool._template.pid
+        assert pool.fleet.template is not None
+        template = pool.fleet.template.pid
         assert template is not None
         outcome = await pool.call("write", {"path": "never.txt", "content": "x"}, cancel=token)
         assert outcome.status is Status.CANCELLED
@@ -352,8 +352,8 @@ async def test_a_close_in_the_startup_window_leaves_nothing(
     closing: list[asyncio.Task[None]] = []
     _stop_at(pool, step, lambda: closing.append(asyncio.ensure_future(pool.close())))
     async with pool:
-        assert pool._template is not None
-        template = pool._template.pid
+        assert pool.fleet.template is not None
+        template = pool.fleet.template.pid
         assert template is not None
         outcome = await pool.call("write", {"path": "never.txt", "content": "x"})
         await closing[0]
@@ -397,8 +397,8 @@ async def test_soak_of_cancels_timeouts_and_escapes_leaves_nothing(
     slots = asyncio.Semaphore(SOAK_IN_FLIGHT)
 
     async with Pool(workspace, journal=journal, config=config) as pool:
-        assert pool._template is not None
-        if pool._template.containment != containment:
+        assert pool.fleet.template is not None
+        if pool.fleet.template.containment != containment:
             pytest.skip(f"{containment} containment is not available here")
 
         async def one(i: int) -> Any:

@@ -63,10 +63,10 @@ async def test_a_pool_adopts_the_template_launched_before_it(workspace: Path) ->
     try:
         async with Pool(workspace, config=light_config()) as pool:
             assert take_prelaunched(warm_up=False) is None  # taken by the pool
-            assert pool._template is not None
-            launched = pool._template.launch.process
+            assert pool.fleet.template is not None
+            launched = pool.fleet.template.launch.process
             assert launched is not None
-            assert pool._template.pid == launched.pid
+            assert pool.fleet.template.pid == launched.pid
             outcome = await pool.call("read", {"path": "hello.txt"}, timeout=30)
         assert outcome.status == "ok"
         assert outcome.value["content"] == "hello\nworld\n"
@@ -83,8 +83,8 @@ async def test_a_template_launched_for_other_settings_is_not_adopted(workspace: 
             waiting = take_prelaunched(warm_up=False)  # a warmed-up pool left it waiting
             assert waiting is not None
             assert waiting.launch.process is not None
-            assert pool._template is not None
-            assert pool._template.pid != waiting.launch.process.pid
+            assert pool.fleet.template is not None
+            assert pool.fleet.template.pid != waiting.launch.process.pid
         waiting.socket.close()  # its EOF: it exits on its own
         assert waiting.launch.process.wait(timeout=CHILD_S) is not None
         waiting.stop()

@@ -293,10 +293,10 @@ async def test_workers_that_cannot_start_fail_the_waiting_call_not_fork_forever(
         # With no call waiting, the template is left alone: no spare is forked to fail again.
         # (Absence has no event to await: a template forking in a loop burns a core, so half
         # a second shows it.)
-        assert pool._template is not None
-        spent = _cpu_seconds(pool._template.pid)
+        assert pool.fleet.template is not None
+        spent = _cpu_seconds(pool.fleet.template.pid)
         await asyncio.sleep(0.5)
-        assert _cpu_seconds(pool._template.pid) - spent < 0.1
+        assert _cpu_seconds(pool.fleet.template.pid) - spent < 0.1
     failed = [o for o in outcomes if o.status is not Status.OK]
     assert len(failed) >= 2  # at most one worker was ready before the socket went
     for outcome in failed:

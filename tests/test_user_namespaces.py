@@ -60,9 +60,9 @@ async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
 async def test_each_call_gets_a_user_namespace_mapping_only_the_pools_ids(
     pool: Pool, workspace: Path
 ) -> None:
-    assert pool._template is not None
-    assert pool._template.user_namespaces, "the template made no user namespace"
-    assert pool._template.containment == "pidns"
+    assert pool.fleet.template is not None
+    assert pool.fleet.template.user_namespaces, "the template made no user namespace"
+    assert pool.fleet.template.containment == "pidns"
     uid, gid = os.geteuid(), os.getegid()
     # Two calls at once: a namespace's number can be reused once it is gone.
     first = asyncio.create_task(
@@ -191,8 +191,8 @@ async def test_the_process_limit_binds_the_call(pool: Pool) -> None:
     assert outcome.status is Status.OK, outcome
     assert outcome.value is not None
     assert 10 <= int(outcome.value["stdout"]) < 20, outcome.value
-    assert pool._template is not None
-    if pool._template.pids_cgroup is not None:
+    assert pool.fleet.template is not None
+    if pool.fleet.template.pids_cgroup is not None:
         assert outcome.limit == "processes"  # RLIMIT_NPROC leaves no record of a refused fork
 
 
@@ -201,10 +201,10 @@ async def test_doctor_says_what_the_template_does(
 ) -> None:
     assert await asyncio.to_thread(cli_main, ["doctor", "--json"]) == 0
     checks = {c["name"]: c["ok"] for c in msgspec.json.decode(capsys.readouterr().out)}
-    assert pool._template is not None
-    assert checks["PID namespaces"] is (pool._template.containment == "pidns")
-    assert checks["user namespaces"] is (direct or pool._template.user_namespaces)
-    assert pool._template.user_namespaces is (not direct and checks["user namespaces"])
+    assert pool.fleet.template is not None
+    assert checks["PID namespaces"] is (pool.fleet.template.containment == "pidns")
+    assert checks["user namespaces"] is (direct or pool.fleet.template.user_namespaces)
+    assert pool.fleet.template.user_namespaces is (not direct and checks["user namespaces"])
 
 
 # -- the fallbacks ------------------------------------------------------------------------------
@@ -219,9 +219,9 @@ async def test_user_namespaces_can_be_turned_off(
     path.write_text("[sandbox]\nuser_namespaces = false\n")
     config = marked_config(pool={"workers": 1}, sandbox={"user_namespaces": False})
     async with Pool(workspace, journal=tmp_path / "j.jsonl", config=config) as pool:
-        assert pool._template is not None
-        assert pool._template.user_namespaces is False
-        assert pool._template.containment == ("pidns" if direct else "subreaper")
+        assert pool.fleet.template is not None
+        assert pool.fleet.template.user_namespaces is False
+        assert pool.fleet.template.containment == ("pidns" if direct else "subreaper")
         listing = (await bash(pool, "ls /proc"))["stdout"].split()
         assert (str(os.getpid()) in listing) is not direct  # the host's /proc, without
     assert await asyncio.to_thread(cli_main, ["doctor", "--json", "--config", str(path)]) == 0
@@ -266,8 +266,8 @@ async def main() -> None:
         outcome = await pool.call("bash", {"command": "ls /proc"}, timeout=30)
         print(json.dumps({
             "checks": checks,
-            "containment": pool._template.containment,
-            "user_namespaces": pool._template.user_namespaces,
+            "containment": pool.fleet.template.containment,
+            "user_namespaces": pool.fleet.template.user_namespaces,
             "host_proc": str(os.getpid()) in outcome.value["stdout"].split(),
         }))
 
