@@ -111,6 +111,21 @@ class Pool(PoolParts):
         """The pool's workers and their template (fleet.py): for diagnosis and tests."""
         return self._fleet
 
+    @property
+    def runtime_dir(self) -> str | None:
+        """The pool's private directory (its sockets), once started; gone after close."""
+        return self._runtime_dir
+
+    @property
+    def tmp_root(self) -> str | None:
+        """Where each call's private TMPDIR is made, once started; gone after close."""
+        return self._tmp_root
+
+    @property
+    def lock_dir(self) -> str | None:
+        """Where the pool's file tools keep their lock files, once started; gone after close."""
+        return self._lock_dir
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> Pool:

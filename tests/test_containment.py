@@ -17,12 +17,12 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MARKER, leftover_processes, marked_config
+from conftest import MARKER, MakePool, leftover_processes, marked_config
 from helpers import alive, fifo_has_reader, pids_with, unique_tag, wait_until, wait_until_sync
 
 from sandbx_pool import CancelToken, KilledBy, Pool, PoolClosed, Status
@@ -48,13 +48,11 @@ def uptime() -> float:
 
 
 @pytest.fixture
-async def pool(containment: str, workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 4}, calls={"grace_s": 0.1})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
-        assert p.fleet.template is not None
-        if p.fleet.template.containment != containment:
-            pytest.skip(f"{containment} containment is not available here")
-        yield p
+async def pool(containment: str, make_pool: MakePool) -> Pool:
+    p = await make_pool(pool={"workers": 4}, calls={"grace_s": 0.1})
+    if p.fleet.containment != containment:
+        pytest.skip(f"{containment} containment is not available here")
+    return p
 
 
 async def assert_gone(tag: str, containment: str) -> None:
@@ -278,6 +276,8 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
     to the call, whose driver has not resumed yet.
     """
     loop = asyncio.get_running_loop()
+    # The handlers the template and the inbox are given when the pool starts: the test stands
+    # between them and the pool's, to fire at one exact point (nothing public can).
     on_template, on_message = pool.fleet._on_template, pool.fleet.inbox.deliver
     held: list[tuple[Any, ...]] = []
     state = {"spawned": False, "stopped": False}

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import pytest
 from conftest import marked_config
-from helpers import alive, wait_until, wait_until_sync
+from helpers import alive, run_cli, wait_until, wait_until_sync
 
 from sandbx_pool import Limits, Pool, descriptors
 from sandbx_pool.outcome import Status
@@ -100,7 +100,7 @@ STRANGERS_THEN_CALLS = """
 
     async def main():
         async with Pool(sys.argv[1], config=marked_config(pool={"workers": 4})) as pool:
-            print(pool._runtime_dir + "/coordinator.sock", flush=True)
+            print(pool.runtime_dir + "/coordinator.sock", flush=True)
             await asyncio.to_thread(sys.stdin.readline)  # the strangers have connected
             outcomes = await asyncio.gather(
                 *(pool.call("read", {"path": "hello.txt"}) for _ in range(8))
@@ -277,7 +277,7 @@ OPEN_AND_WAIT = """
 
     async def main():
         async with Pool(sys.argv[1], config=marked_config()) as pool:
-            print(pool._tmp_root, pool._runtime_dir, pool.fleet.template.pid, flush=True)
+            print(pool.tmp_root, pool.runtime_dir, pool.fleet.template.pid, flush=True)
             await asyncio.sleep(60)
 
     asyncio.run(main())
@@ -304,10 +304,10 @@ async def test_a_new_pool_removes_what_a_killed_coordinator_left_but_not_a_live_
         assert not is_dir(tmp_root)
         assert not is_dir(runtime_dir)
         # The live pool's (the fixture's) are left alone.
-        assert pool._tmp_root is not None
-        assert is_dir(pool._tmp_root)
-        assert pool._runtime_dir is not None
-        assert is_dir(pool._runtime_dir)
+        assert pool.tmp_root is not None
+        assert is_dir(pool.tmp_root)
+        assert pool.runtime_dir is not None
+        assert is_dir(pool.runtime_dir)
         assert (await pool.call("read", {"path": "hello.txt"})).ok
 
 
@@ -318,9 +318,9 @@ def test_a_dropped_pool_is_released_when_collected(workspace: Path) -> None:
         assert (await pool.call("read", {"path": "hello.txt"})).ok
         assert pool.fleet.template is not None
         assert pool.fleet.template.pid is not None
-        assert pool._tmp_root is not None
-        assert pool._runtime_dir is not None
-        return pool.fleet.template.pid, pool._tmp_root, pool._runtime_dir
+        assert pool.tmp_root is not None
+        assert pool.runtime_dir is not None
+        return pool.fleet.template.pid, pool.tmp_root, pool.runtime_dir
 
     template_pid, tmp_root, runtime_dir = asyncio.run(open_and_drop())
     gc.collect()
@@ -343,8 +343,8 @@ async def test_a_pool_dropped_while_its_loop_runs_is_released_and_the_loop_serve
         assert (await pool.call("read", {"path": "hello.txt"})).ok
         assert pool.fleet.template is not None
         assert pool.fleet.template.pid is not None
-        assert pool._tmp_root is not None
-        return pool.fleet.template.pid, pool._tmp_root, weakref.ref(pool)
+        assert pool.tmp_root is not None
+        return pool.fleet.template.pid, pool.tmp_root, weakref.ref(pool)
 
     template_pid, tmp_root, ref = await open_and_drop()
 
@@ -374,7 +374,7 @@ def test_a_pool_never_closed_is_released_at_interpreter_exit(workspace: Path) ->
             pool = Pool(sys.argv[1], config=marked_config())
             pools.append(pool)
             await pool.start()
-            print(pool._tmp_root, pool._runtime_dir, pool.fleet.template.pid, flush=True)
+            print(pool.tmp_root, pool.runtime_dir, pool.fleet.template.pid, flush=True)
 
         asyncio.run(main())
     """
@@ -391,13 +391,7 @@ def test_a_pool_never_closed_is_released_at_interpreter_exit(workspace: Path) ->
 
 
 def cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_S,
-        cwd=cwd,
-    )
+    return run_cli(*argv, cwd=cwd, timeout=CHILD_S)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:

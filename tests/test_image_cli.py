@@ -4,13 +4,12 @@ commands: their output, their one-line errors and their exit statuses."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import marked_config
+from helpers import run_cli
 from image_tools import require
 from oci_images import Entry, Layer, busybox_layer, have_busybox, write_layout
 
@@ -96,12 +95,8 @@ async def test_pool_image_pulls_into_the_configured_store_off_the_loop(tmp_path:
 
 
 def _cli(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", "image", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "HOME": str(config.parent)},
+    return run_cli(
+        "image", *args, "--config", str(config), env={"HOME": str(config.parent)}, timeout=None
     )
 
 

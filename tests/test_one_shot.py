@@ -11,11 +11,11 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 from sandbx_pool.cli.main import main
 from sandbx_pool.config import Config
@@ -45,13 +45,7 @@ CHILD_S = 60
 def cli(
     *argv: str, cwd: Path, python_options: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *python_options, "-m", "sandbx_pool.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_S,
-        cwd=cwd,
-    )
+    return run_cli(*argv, cwd=cwd, timeout=CHILD_S, python_options=python_options)
 
 
 def light_config() -> Config:

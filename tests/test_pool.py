@@ -286,8 +286,8 @@ async def test_workers_that_cannot_start_fail_the_waiting_call_not_fork_forever(
     config = marked_config(pool={"workers": 1, "prefork": 1})
     async with Pool(workspace, config=config, journal=journal) as pool:
         assert (await pool.call("read", {"path": "hello.txt"})).status is Status.OK
-        assert pool._runtime_dir is not None
-        os.unlink(os.path.join(pool._runtime_dir, "coordinator.sock"))
+        assert pool.runtime_dir is not None
+        os.unlink(os.path.join(pool.runtime_dir, "coordinator.sock"))
         async with asyncio.timeout(60):  # without the bound, the second call never returns
             outcomes = [await pool.call("read", {"path": "hello.txt"}) for _ in range(3)]
         # With no call waiting, the template is left alone: no spare is forked to fail again.

@@ -184,8 +184,8 @@ def test_a_tmpdir_is_removed_without_following_its_links(tmp_path: Path) -> None
 
 
 async def test_a_call_that_cannot_be_confined_does_not_run(pool: Pool, workspace: Path) -> None:
-    assert pool._tmp_root is not None
-    shutil.rmtree(pool._tmp_root)  # where its TMPDIR would go
+    assert pool.tmp_root is not None
+    shutil.rmtree(pool.tmp_root)  # where its TMPDIR would go
     outcome = await pool.call("bash", {"command": "touch ran"})
     assert outcome.status is Status.ERROR
     assert outcome.error is not None
@@ -261,8 +261,8 @@ async def test_no_listed_socket_path_names_the_pool(pool: Pool) -> None:
     assert pool.config.sandbox.network
     value = await bash(pool, "cat /proc/net/unix")
     paths = [line.split()[-1] for line in value["stdout"].splitlines()[1:] if len(line.split()) > 7]
-    assert pool._runtime_dir is not None
-    assert f"{pool._runtime_dir}/coordinator.sock" in paths  # the listing is the host's
+    assert pool.runtime_dir is not None
+    assert f"{pool.runtime_dir}/coordinator.sock" in paths  # the listing is the host's
     me = {str(os.getpid()), str(start_time(os.getpid()))}
     for path in paths:
         assert not me & set(re.split(r"[/\-_.]", path)), path
@@ -447,8 +447,8 @@ def test_an_unknown_run_as_user_is_a_config_error(tmp_path: Path) -> None:
 
 
 def endpoint(pool: Pool) -> str:
-    assert pool._runtime_dir is not None
-    return f"{pool._runtime_dir}/coordinator.sock"
+    assert pool.runtime_dir is not None
+    return f"{pool.runtime_dir}/coordinator.sock"
 
 
 @pytest.mark.needs("mount namespaces")

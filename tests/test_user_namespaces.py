@@ -22,12 +22,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import marked_config
+from conftest import MakePool, marked_config
 from helpers import bash_value as bash
 from helpers import wait_until
 
@@ -46,10 +45,8 @@ without_root_power = pytest.mark.skipif(
 
 
 @pytest.fixture
-async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 2})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
-        yield pool
+async def pool(make_pool: MakePool) -> Pool:
+    return await make_pool(pool={"workers": 2})
 
 
 # -- the user namespace -------------------------------------------------------------------------
