@@ -88,6 +88,10 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: overlay of the image's layers, entered with nothing of the host's bound in and left
     #: writable (the layer takes the writes). With ``view`` only.
     image: bool = False
+    #: The image config's User (``USER[:GROUP]``, names or numbers), looked up in the image's
+    #: own /etc/passwd and /etc/group once entered (workers.image_user). "": uid 0. With
+    #: ``image`` only.
+    image_user: str = ""
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):

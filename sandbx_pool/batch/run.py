@@ -46,6 +46,7 @@ import msgspec
 from sandbx_pool.batch.calls import CallSpec
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.errors import PoolClosed, SandbxPoolError
+from sandbx_pool.images.image import Image
 from sandbx_pool.journal.reader import (
     call_ledger,
     is_node_lost,
@@ -221,6 +222,7 @@ async def run_batch(
     held = set(doubtful)  # in doubt, or after a call in doubt: not run
     halt = asyncio.Event()  # our own reason to stop: the pool failed under us
     # Opened once: each output file is made relative to it (_output_file says why).
+    pulls = _Pulls(pool) if isinstance(pool, Pool) else None
     outputs = None
     if output_dir is not None:
         outputs = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -245,7 +247,9 @@ async def run_batch(
                 extra: dict[str, Any] = {}
                 if spec.layer is not None:
                     try:
-                        extra["workspace"] = await _layer(pool, spec)
+                        extra["workspace"] = await _layer(pool, spec, pulls)
+                    except PoolClosed:
+                        return  # closed by a stop while the layer was being made
                     except (ValueError, SandbxPoolError) as exc:
                         if report.failure is None:
                             report.failure = f"line {spec.line}: {exc}"
@@ -313,6 +317,8 @@ async def run_batch(
             watch.cancel()
         if outputs is not None:
             os.close(outputs)
+        if pulls is not None:
+            pulls.close()
         report.wall_s = time.monotonic() - report.started_at
         report.stopped = stop is not None and stop.is_set()
     return report
@@ -385,10 +391,39 @@ class _OutputFile:
 _OUTPUT_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-async def _layer(pool: Pool | RayPool, spec: CallSpec) -> Any:
-    """The layer a line runs in (its path on a RayPool's node), made over its base by the
-    first line that needs it; a relative base is under the workspace root (batch.calls)."""
+class _Pulls:
+    """The run's images, each found in the store or pulled once: the first line that needs
+    one starts it, and the lines that need it meanwhile wait for the same (an image ingested
+    by one lane is not looked up again by the next line, nor pulled twice by two lanes)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._images: dict[str, asyncio.Task[Image]] = {}
+
+    async def image(self, ref: str) -> Image:
+        task = self._images.get(ref)
+        if task is None:
+            task = asyncio.create_task(self._pool.image(ref), name=f"batch-image {ref}")
+            self._images[ref] = task
+        # Shielded: a lane stopped while it waits does not cancel the others' pull.
+        return await asyncio.shield(task)
+
+    def close(self) -> None:
+        """The run is over: a pull no lane waits for any more is not waited for either (its
+        thread ends with the pull; the store leaves nothing half-made)."""
+        for task in self._images.values():
+            task.cancel()
+
+
+async def _layer(pool: Pool | RayPool, spec: CallSpec, pulls: _Pulls | None) -> Any:
+    """The layer a line runs in (its path on a RayPool's node), made over its base or its
+    image by the first line that needs it; a relative base is under the workspace root
+    (batch.calls). A RayPool takes no image (cli.batch refuses such a file)."""
     assert spec.layer is not None
+    if spec.image is not None:
+        if pulls is None or not isinstance(pool, Pool):
+            raise ValueError("a layer over an image needs a local pool")
+        return await pool.layer(spec.layer, image=await pulls.image(spec.image))
     root = pool.workspace if isinstance(pool, Pool) else pool.workspace_root
     # Lexical: the base is a workspace, which only a worker touches.
     joined = None if spec.base is None else os.path.join(root, spec.base)
