@@ -27,6 +27,8 @@ class CallState(CallLife):
     #: Whether the tool is one of the coordinator's own (a service's ``_service``): Pool.call
     #: never makes such a call, so no caller can name one.
     internal = False
+    #: Offline with a namespace of its own: TCP on its loopback allowed (a service's call).
+    loopback = False
 
     def __init__(
         self,
@@ -86,8 +88,6 @@ class CallState(CallLife):
         self.session_env: dict[str, str] | None = None
         #: The network namespace of the session's service to run in (sandbx_pool.services).
         self.join_network = join_network
-        #: Offline with a namespace of its own: TCP on its loopback allowed (a service).
-        self.loopback = False
 
     def journaled_network(self) -> bool | list[str] | None:
         network = self.network
