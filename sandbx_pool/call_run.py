@@ -8,7 +8,7 @@
             features' admit             --> the Call encoded with their part of its context
             pool closing?               --> killed (shutdown)
             Fleet.acquire               --> a worker (or killed while it waited)
-            Fleet.execute               --> the outcome (execution.py)
+            Fleet.execute               --> the outcome (call_on_worker.py)
             features' settle            --> the outcome, its change set applied or kept aside
         <-- the outcome, which CallLife journals
 
@@ -25,11 +25,11 @@ from typing import Any
 import msgspec
 
 from sandbx_pool import preflight
+from sandbx_pool.call_on_worker import Unsendable, encode_call
 from sandbx_pool.call_seam import Features
 from sandbx_pool.call_state import CallState
 from sandbx_pool.config import CallSettings
 from sandbx_pool.errors import WorkersFailToStart
-from sandbx_pool.execution import Unsendable, encode_call
 from sandbx_pool.fleet import Fleet
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.outcome import KilledBy, Outcome, Status

@@ -24,7 +24,7 @@ meets it:
 * ``close()``: the pool is closing (synchronous, after its workers are gone).
 
 Features that touch every call without changing how it runs (the journal, the timeline,
-OpenTelemetry spans, usage) are not here: call_life.py and execution.py carry them.
+OpenTelemetry spans, usage) are not here: call_life.py and call_on_worker.py carry them.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class CallState(CallLife):
         #: The caller's on_output: the worker streams only when there is one.
         self.on_output = on_output
         #: Tracked and transactional calls that change files: their overlay's directory
-        #: (sandbx_pool.changes), made once the call passed its checks.
+        #: (sandbx_pool.change_sets), made once the call passed its checks.
         self.changes_dir: str | None = None
         #: A call in a layer (sandbx_pool.layers): its layer, whose directory and base the
         #: worker mounts as the call's workspace.

@@ -1,4 +1,4 @@
-"""Change sets as a feature of the pool's calls (call_seam.py); what they are: changes.py.
+"""Change sets as a feature of the pool's calls (call_seam.py); what they are: change_sets.py.
 
     ChangeCalls.open (Pool.start, its journal open): J.d made and hidden from the first call
     a tracked or transactional write, edit or bash call:
@@ -20,11 +20,11 @@ from collections.abc import Callable
 
 import msgspec
 
+from sandbx_pool.call_on_worker import Unsendable, encode_call
 from sandbx_pool.call_seam import CallFeature
 from sandbx_pool.call_state import CallState
-from sandbx_pool.changes import ChangeSets, RunInternal, refuse_without_store, store_dir
+from sandbx_pool.change_sets import ChangeSets, RunInternal, refuse_without_store, store_dir
 from sandbx_pool.config import ChangeMode, WorkspaceSettings
-from sandbx_pool.execution import Unsendable, encode_call
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
@@ -108,7 +108,7 @@ class ChangeCalls(CallFeature):
             return call.outcome(Status.ERROR, error=f"cannot keep the call's changes: {exc}")
 
     async def settle(self, call: CallState, outcome: Outcome) -> Outcome:
-        """Apply the call's change set or keep it aside (changes.py)."""
+        """Apply the call's change set or keep it aside (change_sets.py)."""
         if call.changes_dir is not None:
             return await self.store().settle(
                 call_id=call.call_id,
@@ -127,7 +127,7 @@ class ChangeCalls(CallFeature):
     # -- after the calls ------------------------------------------------------------------------
 
     async def finish_interrupted(self) -> None:
-        """Finish the applies a killed coordinator began (changes.py)."""
+        """Finish the applies a killed coordinator began (change_sets.py)."""
         if self._journal is not None and self._journal.unfinished_applies:
             await self.store().finish_interrupted(self._journal, self._run)
 

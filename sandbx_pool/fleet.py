@@ -7,7 +7,7 @@ the inbox they answer on, and the doing of what the WorkerSet decides.
     Fleet.acquire(call) --> WorkerSet.enqueue ------------------------------+
                                                                             v
                             Fleet.act(actions): fork, assign, fail, watch, signal, retry later
-    Fleet.execute(call, worker, payload) --> execution.execute --> Fleet.act(release(worker))
+    Fleet.execute(call, worker, payload) --> call_on_worker.execute --> Fleet.act(release(worker))
 
 The WorkerSet only decides (worker_set.py); everything here that touches a process, a socket
 or a timer does it in ``act``, in the order the decision lists. A call reaches a worker only
@@ -22,14 +22,14 @@ import signal
 from typing import Any
 
 from sandbx_pool import descriptors
+from sandbx_pool.call_on_worker import execute
 from sandbx_pool.call_state import CallState
 from sandbx_pool.config import CallSettings
-from sandbx_pool.execution import execute
 from sandbx_pool.inbox import Inbox
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome
-from sandbx_pool.remains import Remains
+from sandbx_pool.pool_finalizer import Remains
 from sandbx_pool.runtime_dir import parent_pid
 from sandbx_pool.scheduling_actions import (
     Action,
@@ -140,7 +140,7 @@ class Fleet:
         settings: CallSettings,
         journal: Journal | None,
     ) -> Outcome:
-        """Run ``call`` on the ``worker`` it was given (execution.py); the worker is released
+        """Run ``call`` on the ``worker`` it was given (call_on_worker.py); the worker is released
         to the WorkerSet whatever happens."""
         try:
             return await execute(

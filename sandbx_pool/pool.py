@@ -14,7 +14,7 @@
         |  admit: the Call with its change set's directory (change_calls.py)
         v
     Fleet.acquire: an idle, pre-forked worker (fleet.py, worker_set.py)
-        |  Fleet.execute --> ROUTER.send(Call) (execution.py): waits for the first of
+        |  Fleet.execute --> ROUTER.send(Call) (call_on_worker.py): waits for the first of
         |  Result | kill request (token, task, timeout, shutdown) | the worker's exit (crash);
         |  on a kill: SIGTERM (bash, then SIGKILL after the grace) or SIGKILL to the worker's
         |  group, then wait for its exit; a worker that does not die (state D on a hung
@@ -41,10 +41,10 @@ Actors:
 * Services (services.py, service_tools.py): calls that run until stopped, owned by a session.
 
 No single call, argument or fault ends the pool: a call is encoded (and refused if it cannot
-be) before a worker is taken (execution.encode_call); workers are forked only while the
+be) before a worker is taken (call_on_worker.encode_call); workers are forked only while the
 coordinator's descriptors can pay for them (descriptors.py); connections from anything but a
 worker are dropped (inbox.py); and what the pool holds outside memory is released by a
-finalizer if close() never runs (remains.py), or by the next pool if its process was killed
+finalizer if close() never runs (pool_finalizer.py), or by the next pool if its process was killed
 (runtime_dir.py).
 """
 
@@ -194,7 +194,7 @@ class Pool(PoolParts):
         (relative ones to ``/``). Needs a root pool; elsewhere the call ends as ``error``.
 
         ``changes``: this call's change mode, ``"direct"``, ``"tracked"`` or
-        ``"transactional"`` (default: the pool's); see sandbx_pool.changes. Outside direct
+        ``"transactional"`` (default: the pool's); see sandbx_pool.change_sets. Outside direct
         mode the outcome's ``changes`` lists what the call did to the workspace.
 
         ``workspace`` may be a Layer (``pool.layer``), or a layer's ``path``: the call runs in

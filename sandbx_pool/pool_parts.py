@@ -4,7 +4,7 @@ calls in flight. Pool (pool.py), the public façade, is this plus what its users
 
     Pool.start --> PoolParts._open:
         telemetry (a missing extra: ConfigError first) --> descriptors raised -->
-        runtime dir, TMPDIR root, lock dir (remains.py releases them if close never runs) -->
+        runtime dir, TMPDIR root, lock dir (pool_finalizer.py releases them if close never runs) -->
         the sandbox, the stores hidden --> journal opened, hidden; sessions restored; J.d made
         --> fleet started (inbox bound, template launched) --> OPEN, workers forked -->
         the workspace asked of a worker --> leftovers of interrupted writes removed -->
@@ -41,8 +41,8 @@ from sandbx_pool.journal.store import Journal
 from sandbx_pool.layer_calls import LayerCalls
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import KilledBy, Outcome
+from sandbx_pool.pool_finalizer import Remains, release
 from sandbx_pool.proxy_handle import NetworkProxy
-from sandbx_pool.remains import Remains, release
 from sandbx_pool.runtime_dir import (
     default_journal_path,
     default_journals_dir,
@@ -80,7 +80,7 @@ class PoolParts:
         changes: str | None,
     ) -> None:
         self.config = config if isinstance(config, Config) else load_config(config)
-        #: What calls may do to the workspace unless they say (sandbx_pool.changes).
+        #: What calls may do to the workspace unless they say (sandbx_pool.change_sets).
         self.changes = change_mode(
             changes if changes is not None else self.config.workspace.changes
         )

@@ -32,13 +32,13 @@ from helpers import wait_until
 
 from sandbx_pool import Limits, Pool, Status
 from sandbx_pool.cli.main import main as cli_main
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 PY = sys.executable
 _CAP_SYS_ADMIN = 21
 
 #: Root as a host gives it: the template makes each worker's namespaces itself.
-direct = bool(_libc.capget()[0] >> _CAP_SYS_ADMIN & 1)
+direct = bool(libc.capget()[0] >> _CAP_SYS_ADMIN & 1)
 without_root_power = pytest.mark.skipif(
     direct, reason="CAP_SYS_ADMIN: the namespaces are made directly, in no user namespace"
 )
@@ -99,7 +99,7 @@ async def test_a_call_cannot_make_a_user_namespace(pool: Pool) -> None:
         pool,
         "unshare -U true; echo rc=$?; unshare -Ur true; echo rc=$?;"
         f" {PY} -c 'import ctypes; l = ctypes.CDLL(None, use_errno=True);"
-        f" print(l.unshare({_libc.CLONE_NEWUSER}), ctypes.get_errno())'",
+        f" print(l.unshare({libc.CLONE_NEWUSER}), ctypes.get_errno())'",
     )
     assert value["stdout"].splitlines() == ["rc=1", "rc=1", "-1 1"], value  # EPERM
     assert value["stderr"].count("Operation not permitted") == 2, value
