@@ -1,4 +1,4 @@
-"""Section 10: what tracking a call's changes costs (sandbx_pool.changes).
+"""Section 10: what tracking a call's changes costs (sandbx_pool.change_sets).
 
 Rows, all on one pool (its journal gives the change sets a home), so that a shared machine's
 noise falls on every mode alike:

@@ -248,7 +248,7 @@ async def _sample_fds(soak: FaultSoak, start: float) -> None:
 def _pool_directories(pool: Pool) -> list[str]:
     """The scratch, lock and runtime directories this pool made (the machine is shared: other
     pools' come and go meanwhile, so only ours are checked)."""
-    made = [pool._tmp_root, pool._lock_dir, pool._runtime_dir]
+    made = [pool.tmp_root, pool.lock_dir, pool.runtime_dir]
     return [path for path in made if path is not None]
 
 

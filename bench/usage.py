@@ -31,7 +31,7 @@ from loguru import logger
 from bench.stats import Samples, paired_median_ratio_ci
 from bench.workspace import BenchWorkspace
 from sandbx_pool import Pool
-from sandbx_pool.execution import usage_dict
+from sandbx_pool.call_on_worker import usage_dict
 from sandbx_pool.journal.records import OutcomeRecord
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.workers import usage

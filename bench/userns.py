@@ -52,8 +52,8 @@ async def _serve(user_namespaces: bool) -> None:
         async with Pool(workspace, config=config) as pool:
             for _ in range(WARM_UP_CALLS):
                 await pool.call("bash", {"command": "true"})
-            assert pool._template is not None
-            ready = {"user_namespaces": pool._template.user_namespaces}
+            assert pool.fleet.template is not None
+            ready = {"user_namespaces": pool.fleet.template.user_namespaces}
             print(json.dumps(ready), flush=True)
             for line in sys.stdin:
                 durations = []

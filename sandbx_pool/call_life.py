@@ -64,7 +64,7 @@ class CallLife:
         self.kill_requested: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.killer: KilledBy | None = None
         self.reason: str | None = None
-        #: The call's change mode (sandbx_pool.changes), journaled with its intent.
+        #: The call's change mode (sandbx_pool.change_sets), journaled with its intent.
         self.changes = ChangeMode.DIRECT
         #: The layer the call runs in (sandbx_pool.layers), journaled with its intent.
         self.layer_name: str | None = None

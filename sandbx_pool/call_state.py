@@ -7,7 +7,9 @@ import secrets
 import signal
 from typing import TYPE_CHECKING, Any
 
+from sandbx_pool import image_layer
 from sandbx_pool.call_life import CallLife
+from sandbx_pool.config import ChangeMode
 from sandbx_pool.logs import logger
 from sandbx_pool.output import OutputCallback, OutputChunk
 from sandbx_pool.worker_handle import Worker
@@ -25,6 +27,8 @@ class CallState(CallLife):
     #: Whether the tool is one of the coordinator's own (a service's ``_service``): Pool.call
     #: never makes such a call, so no caller can name one.
     internal = False
+    #: Offline with a namespace of its own: TCP on its loopback allowed (a service's call).
+    loopback = False
 
     def __init__(
         self,
@@ -37,14 +41,24 @@ class CallState(CallLife):
         limits: Limits | None = None,
         view: str | None = None,
         workspace: str | None = None,
+        *,
+        changes: ChangeMode = ChangeMode.DIRECT,
+        session: str | None = None,
+        network: bool | tuple[str, ...] | None = None,
+        join_network: str | None = None,
+        on_output: OutputCallback | None = None,
+        layer: Layer | None = None,
+        layer_mount: str | None = None,
     ) -> None:
         super().__init__(call_id, tool, raw_args, timeout_s, cwd, workspace)
         loop = asyncio.get_running_loop()
         self.env = env
         self.limits = limits
         self.view = view
+        self.changes = changes
+        self.session = session
         #: This call's network (Pool.call's ``network``), None: the pool's.
-        self.network: bool | tuple[str, ...] | None = None
+        self.network = network
         self.context: ExecutionContext | None = None
         self.worker: Worker | None = None
         self.assigned: asyncio.Future[Worker] = loop.create_future()
@@ -52,29 +66,28 @@ class CallState(CallLife):
         # Only the worker this call is sent to learns it; its Result must carry it back.
         self.secret = secrets.token_hex(16)
         #: The caller's on_output: the worker streams only when there is one.
-        self.on_output: OutputCallback | None = None
+        self.on_output = on_output
         #: Tracked and transactional calls that change files: their overlay's directory
-        #: (sandbx_pool.changes), made once the call passed its checks.
+        #: (sandbx_pool.change_sets), made once the call passed its checks.
         self.changes_dir: str | None = None
         #: A call in a layer (sandbx_pool.layers): its layer, whose directory and base the
         #: worker mounts as the call's workspace.
-        self.layer: Layer | None = None
-        self.layer_dir: str | None = None
-        self.layer_base: str | None = None
-        self.layer_mount: str | None = None
-        #: A layer over an image: its layer directories (the overlay's lowers), and the image
-        #: (its Env and WorkingDir: sandbx_pool.image_layer).
-        self.layer_image: tuple[str, ...] | None = None
-        self.image: Image | None = None
+        self.layer = layer
+        self.layer_name = layer.name if layer is not None else None
+        self.layer_dir = layer.directory if layer is not None else None
+        self.layer_base = layer.base if layer is not None else None
+        self.layer_mount = layer_mount
+        #: A layer over an image: the image (its Env and WorkingDir: sandbx_pool.image_layer)
+        #: and its layer directories (the overlay's lowers).
+        self.image: Image | None = layer.image if layer is not None else None
+        self.layer_image = self.image.layer_dirs if self.image is not None else None
         #: Where the call starts when it names no cwd, relative paths in a view being the
         #: view's: an image's WorkingDir (sandbx_pool.image_layer.start_dir). None: the root.
-        self.start_dir: str | None = None
+        self.start_dir = image_layer.start_dir(self.image) if self.image is not None else None
         #: A session's bash call: the session's exports (sandbx_pool.sessions).
         self.session_env: dict[str, str] | None = None
         #: The network namespace of the session's service to run in (sandbx_pool.services).
-        self.join_network: str | None = None
-        #: Offline with a namespace of its own: TCP on its loopback allowed (a service).
-        self.loopback = False
+        self.join_network = join_network
 
     def journaled_network(self) -> bool | list[str] | None:
         network = self.network

@@ -44,7 +44,7 @@ class JournalPolicy(enum.StrEnum):
 
 
 class ChangeMode(enum.StrEnum):
-    """What a call may do to the workspace (sandbx_pool.changes)."""
+    """What a call may do to the workspace (sandbx_pool.change_sets)."""
 
     DIRECT = "direct"  # its writes land as it makes them; nothing is listed
     TRACKED = "tracked"  # the same, through an overlay: the outcome lists what it changed

@@ -40,7 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Status
-from sandbx_pool.remains import weakly
+from sandbx_pool.pool_finalizer import weakly
 from sandbx_pool.runtime_dir import parent_pid
 from sandbx_pool.worker_handle import Worker
 from sandbx_pool.workers.protocol import (
@@ -96,7 +96,7 @@ class Inbox:
         self._path = endpoint.removeprefix("ipc://")
         self._fd = int(self._router.getsockopt(zmq.FD))
         self._monitor_fd = int(self._monitor.getsockopt(zmq.FD))
-        # Weakly: the loop may outlive a pool dropped without close() (see remains.py).
+        # Weakly: the loop may outlive a pool dropped without close() (see pool_finalizer.py).
         loop.add_reader(self._fd, weakly(self._receive))
         loop.add_reader(self._monitor_fd, weakly(self._vet_connections))
         # The FD signals a message only once ZeroMQ has seen the queue empty, which takes a

@@ -38,7 +38,7 @@ import re
 import stat
 
 from sandbx_pool.runtime_dir import owner_is_dead, owner_tag
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 #: A layer's name: one plain path component, at most 128 characters, not starting with a dot
 #: (``.``, ``..`` and the store's own ``.new-``/``.trash-`` entries never collide with one).
@@ -123,7 +123,7 @@ def commit(
     fd = os.open(store, _DIRECTORY)
     try:
         try:
-            _libc.renameat2(fd, os.path.basename(temp), name, _libc.RENAME_NOREPLACE)
+            libc.renameat2(fd, os.path.basename(temp), name, libc.RENAME_NOREPLACE)
         except OSError as exc:
             if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
                 raise FileExistsError(errno.EEXIST, f"layer {name!r} exists already") from exc

@@ -10,7 +10,7 @@
         |                                      on the layer's root, in its own mount namespace
         |                                      (workers.overlay.enter_layer); the tool sees DIR
         |                                      plus the layer's changes, DIR is never written
-    ws.diff()    a worker confined to DIR scans the upper directory (workers.changes.scan, the
+    ws.diff()    a worker confined to DIR scans the upper directory (workers.upper_scan.scan, the
                  change sets' scan): the same dicts as an outcome's ``changes``, applied False
     ws.reset()   the upper directory emptied        } on a coordinator thread, by descriptor
     ws.fork(n)   a copy of it under a new name      } (layer_store): the store is the pool's

@@ -54,7 +54,7 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     errno name (``"ENOENT"``) behind an ``error`` whose cause was an OS error: match on it, not
     on ``error``'s text, which names the caller's path. ``node`` is the Ray node id the call
     ran on, when it went through ``integrations.ray`` (None on one machine). ``changes``
-    (tracked and transactional mode, sandbx_pool.changes): what the call did to the
+    (tracked and transactional mode, sandbx_pool.change_sets): what the call did to the
     workspace, one dict per path, ``{"path", "kind", "type", "size", "applied"}``; ``[]``
     for a call that changed nothing; None in direct mode. ``session`` (a call made with
     ``session=``, sandbx_pool.sessions): the session's state after the call, ``{"id",

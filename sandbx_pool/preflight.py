@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import msgspec
 
 from sandbx_pool import image_layer, lexical_paths
+from sandbx_pool.call_on_worker import Unsendable, encode_call
 from sandbx_pool.call_state import CallState
 from sandbx_pool.config import Config
-from sandbx_pool.execution import Unsendable, encode_call
 from sandbx_pool.gate import Gate
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.workers.protocol import ExecutionContext, Limits, Sandbox

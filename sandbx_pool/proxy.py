@@ -71,7 +71,7 @@ from sandbx_pool import allow_list
 from sandbx_pool.allow_list import reachable
 from sandbx_pool.proxy_requests import BadRequest, Request, parse_head
 from sandbx_pool.runtime_dir import parent_pid
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 #: A client's head (request line and headers) must arrive within this long: a slow client holds
 #: one of its call's slots for this long at most before it is answered 408.
@@ -411,10 +411,10 @@ def _shed_privileges() -> None:
     all. Dropped before any thread starts (each thread inherits its creator's sets), so that a
     flaw in the parsing of what a hostile client sends gains nothing of root's power."""
     with contextlib.suppress(OSError):
-        _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1)
-        _libc.capset(0)
+        libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
+        libc.capset(0)
     with contextlib.suppress(OSError):
-        _libc.prctl(_libc.PR_SET_DUMPABLE, 0)
+        libc.prctl(libc.PR_SET_DUMPABLE, 0)
 
 
 def main(argv: list[str]) -> None:

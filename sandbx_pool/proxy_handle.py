@@ -1,7 +1,7 @@
 """The pool's side of its network proxy (sandbx_pool.proxy): started on first need, stopped
 with the pool.
 
-    Pool._run: a call with an allow-list, the proxy not yet started
+    NetworkProxy.prepare (call_seam.py): a call with an allow-list, the proxy not yet started
       --> ProxyHandle.start(): bind <runtime dir>/proxy.sock (SOCK_SEQPACKET, 0600), then
           python -I -m sandbx_pool.proxy FD (interpreter.python_command), the bound socket
           inherited, network_hosts on its stdin, the stdin pipe kept open
@@ -23,9 +23,18 @@ import json
 import os
 import socket
 import subprocess
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from sandbx_pool import preflight
+from sandbx_pool.call_seam import CallFeature
+from sandbx_pool.config import SandboxSettings
 from sandbx_pool.interpreter import CHILD_CWD, python_command
 from sandbx_pool.logs import logger
+from sandbx_pool.outcome import Outcome, Status
+
+if TYPE_CHECKING:
+    from sandbx_pool.call_state import CallState
 
 #: The proxy's control socket, in the pool's runtime directory (hidden from every call).
 SOCKET_NAME = "proxy.sock"
@@ -90,4 +99,43 @@ class ProxyHandle:
             os.unlink(self.path)
 
 
-__all__ = ["SOCKET_NAME", "ProxyHandle"]
+class NetworkProxy(CallFeature):
+    """The proxy as a feature of the pool's calls (call_seam.py): started for the first call
+    that needs it, stopped with the pool."""
+
+    def __init__(self, settings: SandboxSettings, on_start: Callable[[ProxyHandle], None]) -> None:
+        self._settings = settings
+        #: Told of the handle when it is made (the pool's remains stop it if close never runs).
+        self._on_start = on_start
+        #: Where the pool's runtime directory is, once it started.
+        self.runtime_dir: str | None = None
+        self.handle: ProxyHandle | None = None
+
+    @property
+    def socket(self) -> str | None:
+        """Where its workers register; None until a call needed it."""
+        return self.handle.path if self.handle is not None else None
+
+    def prepare(self, call: CallState) -> Outcome | None:
+        """Start the proxy if ``call`` is the first to need it (an allow-listed bash:
+        preflight.with_network says why no other tool)."""
+        network = call.network if call.network is not None else self._settings.network
+        if isinstance(network, bool) or call.tool not in preflight.PROXIED_TOOLS:
+            return None
+        try:
+            if self.handle is None:
+                assert self.runtime_dir is not None
+                self.handle = ProxyHandle(self.runtime_dir, self._settings.network_hosts)
+                self._on_start(self.handle)
+            if not self.handle.running:
+                self.handle.start()
+        except OSError as exc:
+            return call.outcome(Status.ERROR, error=f"cannot start the network proxy: {exc}")
+        return None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.stop()
+
+
+__all__ = ["SOCKET_NAME", "NetworkProxy", "ProxyHandle"]

@@ -1,5 +1,5 @@
-"""What the scheduler (worker_set.py) decides and the pool does (``Pool._act``): one small
-value per kind of side effect.
+"""What the scheduler (worker_set.py) decides and the fleet does (``Fleet.act``, fleet.py): one
+small value per kind of side effect.
 
 Each action carries what doing it needs, as the WorkerSet saw it when it decided: a Signal
 carries the pid and whether the worker was still starting, because by the time the pool sends

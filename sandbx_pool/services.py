@@ -79,6 +79,7 @@ class ServiceCall(CallState):
     """A service's call: the coordinator's own tool, ``_service``."""
 
     internal = True
+    loopback = True
 
 
 class Service:
@@ -378,21 +379,26 @@ async def start_service(
         own_env = {**state["env"], **own_env}
         cwd = cwd if cwd is not None else state["cwd"]
     args = {"command": command, "tty": bool(tty)}
-    call = ServiceCall(
-        call_id, "_service", args, None, cwd, own_env or None, workspace=workspace or pool.workspace
-    )
-    call.session = session
-    call.network = own_network
     offline = own_network is False or (own_network is None and pool.config.sandbox.network is False)
-    call.loopback = True
     if offline and session is not None and not shared_network:
         raise ValueError(
             "a session's service with network = false needs a pool whose workers can share a"
             " network namespace (root with CAP_SYS_ADMIN); this pool's cannot (sandbx-pool"
             " doctor): start it without a session, or with network = true"
         )
-    if offline and session is not None:
-        call.join_network = services.network_of(session)  # a second offline service joins
+    call = ServiceCall(
+        call_id,
+        "_service",
+        args,
+        None,
+        cwd,
+        own_env or None,
+        workspace=workspace or pool.workspace,
+        session=session,
+        network=own_network,
+        # A second offline service of the session joins the first's namespace.
+        join_network=services.network_of(session) if offline and session is not None else None,
+    )
     service = Service(name, session, call, send)
     service.offline = offline
     services.add(service)

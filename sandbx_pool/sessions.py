@@ -2,11 +2,11 @@
 
     Pool.call(tool, args, session="S")
         check_id("S")                      a bad id: ValueError, nothing journaled
-        Sessions.reserve(S, call, run)     synchronous, in call order: the call's turn comes
+        Sessions.accept(call)              synchronous, in call order: the call's turn comes
             |                              after the turn of S's previous call; S is bound to
             |                              the workspace and view of its first call
             v
-    the driver (call_life), intent journaled, then the wrapped run:
+    the driver (call_life), intent journaled, then the run, Sessions.around(call, run):
         wait for the previous call of S to end (a kill meanwhile: its outcome, nothing run)
         apply: call.cwd = S's cwd (unless the call gives one), call.session_env = S's exports
         run() --> the worker (workers.tools.shell_state) reports a ShellState with its Result
@@ -36,12 +36,13 @@ import asyncio
 import contextlib
 import os
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
+from sandbx_pool.call_seam import CallFeature, Run
 from sandbx_pool.outcome import Outcome, Status
 
 if TYPE_CHECKING:
@@ -50,8 +51,6 @@ if TYPE_CHECKING:
 #: A session id: a plain name of at most 128 characters.
 MAX_ID_LENGTH: Final = 128
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+-]*\Z")
-
-Run = Callable[[], Awaitable[Outcome]]
 
 
 def check_id(session: object) -> str:
@@ -98,11 +97,14 @@ class Session:
         return fields
 
 
-class Sessions:
-    """A pool's sessions, by id. Used on the pool's event loop only."""
+class Sessions(CallFeature):
+    """A pool's sessions, by id, and their calls' turns (a feature: call_seam.py). Used on the
+    pool's event loop only."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
+        #: Accepted calls, by id: their session, and the previous call's end to wait for.
+        self._turns: dict[str, tuple[Session, asyncio.Future[None] | None]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -117,12 +119,14 @@ class Sessions:
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self._sessions[check_id(session_id)] = _from_record(fields)
 
-    def reserve(self, session_id: str, call: CallState, run: Run) -> tuple[Run, Callable[[], None]]:
-        """Take the call's turn in the session now (call order). Returns ``run`` wrapped (it
-        waits for the turn, runs the call in the session's state, and settles it) and the
-        release of the turn, for when the call's driver is done: a driver may end without
-        running it at all (killed before, its intent refused). Raises ValueError when the
-        session belongs to another workspace or view."""
+    def accept(self, call: CallState) -> Callable[[], None] | None:
+        """Take the call's turn in its session now (call order); returns the release of the
+        turn, for when the call's driver is done: a driver may end without running it at all
+        (killed before, its intent refused). Raises ValueError when the session belongs to
+        another workspace or view. A call of no session: None."""
+        session_id = call.session
+        if session_id is None:
+            return None
         workspace = call.workspace or ""
         session = self._sessions.get(session_id)
         if session is None:
@@ -137,22 +141,29 @@ class Sessions:
             )
         previous, mine = session.tail, asyncio.get_running_loop().create_future()
         session.tail = mine
-        call.session = session_id
-
-        async def in_turn() -> Outcome:
-            if previous is not None and not previous.done():
-                either: set[asyncio.Future[Any]] = {previous, call.kill_requested}
-                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-                if not previous.done():  # killed while it waited: nothing was run
-                    return self._settle(session_id, session, call, call.killed_outcome())
-            self._apply(session, call)
-            return self._settle(session_id, session, call, await run())
+        self._turns[call.call_id] = (session, previous)
 
         def release() -> None:
+            self._turns.pop(call.call_id, None)
             if not mine.done():
                 mine.set_result(None)
 
-        return in_turn, release
+        return release
+
+    async def around(self, call: CallState, run: Run) -> Outcome:
+        """Wait for the turn ``accept`` took, run the call in the session's state, settle it.
+        A call not accepted here (a service's) just runs."""
+        turn = self._turns.get(call.call_id)
+        if turn is None or call.session is None:
+            return await run()
+        session_id, (session, previous) = call.session, turn
+        if previous is not None and not previous.done():
+            either: set[asyncio.Future[Any]] = {previous, call.kill_requested}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not previous.done():  # killed while it waited: nothing was run
+                return self._settle(session_id, session, call, call.killed_outcome())
+        self._apply(session, call)
+        return self._settle(session_id, session, call, await run())
 
     async def state(self, session_id: str, workspace: str) -> dict[str, Any]:
         """``{"cwd", "env"}`` once the calls made in the session so far have ended; a session

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from sandbx_pool.errors import TemplateLost
 from sandbx_pool.logs import logger
-from sandbx_pool.remains import Launch, weakly
+from sandbx_pool.pool_finalizer import Launch, weakly
 from sandbx_pool.template_launch import TemplateLaunch, take_prelaunched
 from sandbx_pool.workers.protocol import (
     Attach,

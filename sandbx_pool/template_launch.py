@@ -54,7 +54,7 @@ class TemplateLaunch:
         self.warm_up = warm_up
         self.socket, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         #: What the thread shares with us; it holds nothing of ours, so that a pool dropped
-        #: without close() can be collected (see remains.py).
+        #: without close() can be collected (see pool_finalizer.py).
         self.launch = Launch()
         command = python_command(
             "sandbx_pool.workers.template",

@@ -8,7 +8,7 @@ the pool performs them at once, in order, in one place:
     Pool: an event (a call, a Ready, a template message, a RetryAfter's timer)
         |  WorkerSet method: its state updated, list[Action] returned
         v
-    Pool._act(actions): Fork, Assign, Fail, Watch, Signal, Gone, RetryAfter, CancelRetry
+    Fleet.act(actions): Fork, Assign, Fail, Watch, Signal, Gone, RetryAfter, CancelRetry
 
 The set itself never forks, signals, opens a pidfd, resolves a future or sets a timer, and
 needs no clock: it asks for a RetryAfter and is called back (``retry``). So its rules are tested

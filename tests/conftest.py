@@ -7,11 +7,12 @@ not run as root where user namespaces are refused, a container without CAP_SYS_A
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -141,11 +142,33 @@ def workspace(tmp_path: Path) -> Path:
     return ws
 
 
+#: ``await make_pool(where=..., journal=..., **sections)``: a started pool (see ``make_pool``).
+MakePool = Callable[..., Awaitable[Pool]]
+
+
 @pytest.fixture
-async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 4})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
-        yield p
+async def make_pool(workspace: Path, tmp_path: Path) -> AsyncIterator[MakePool]:
+    """Start pools for the test, each closed after it: the one way a fixture makes a pool.
+    ``where``: its workspace (the ``workspace`` fixture's by default); ``journal``: a file name
+    in tmp_path (None: the default location); the rest are ``marked_config``'s sections."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def make(
+            where: Path | None = None,
+            *,
+            journal: str | None = "journal.jsonl",
+            **sections: dict[str, object],
+        ) -> Pool:
+            path = tmp_path / journal if journal is not None else None
+            made = Pool(where or workspace, journal=path, config=marked_config(**sections))
+            return await stack.enter_async_context(made)
+
+        yield make
+
+
+@pytest.fixture
+async def pool(make_pool: MakePool) -> Pool:
+    return await make_pool(pool={"workers": 4})
 
 
 @pytest.fixture(params=["pidns", "subreaper"])

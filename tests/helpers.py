@@ -8,6 +8,8 @@ import errno
 import json
 import os
 import select
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +20,35 @@ from conftest import MARKER, is_marked
 
 #: How often a predicate on the outside world is looked at again.
 POLL_S = 0.005
+
+#: Seconds one CLI command may take on a loaded machine.
+CLI_S = 60
+
+
+def cli_argv(*argv: str, python_options: tuple[str, ...] = ()) -> list[str]:
+    """``sandbx-pool ARGV`` as this interpreter runs it (the installed package's CLI)."""
+    return [sys.executable, *python_options, "-m", "sandbx_pool.cli", *argv]
+
+
+def run_cli(
+    *argv: str,
+    cwd: str | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = CLI_S,
+    check: bool = False,
+    python_options: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    """Run ``sandbx-pool ARGV`` to its end, its output captured as text; ``env`` adds to ours.
+    The one way the tests run the CLI."""
+    return subprocess.run(
+        cli_argv(*argv, python_options=python_options),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        check=check,
+    )
 
 
 def _pauses(predicate: Callable[[], bool], within_s: float, what: str) -> Iterator[float]:

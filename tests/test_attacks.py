@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import marked_config
+from conftest import MakePool, marked_config
 from helpers import bash_value
 
 from sandbx_pool import Pool, Status
@@ -40,10 +40,8 @@ _GIT = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
 
 
 @pytest.fixture
-async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 2})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
-        yield pool
+async def pool(make_pool: MakePool) -> Pool:
+    return await make_pool(pool={"workers": 2})
 
 
 def _hook(marker: Path) -> str:

@@ -29,11 +29,10 @@ import stat
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import marked_config
+from conftest import MakePool, marked_config
 from helpers import bash_value as bash
 from helpers import pids_with, unique_tag, wait_until
 
@@ -46,9 +45,8 @@ _PLANT = "import os; open(os.environ.get('PLANT_MARK', '/nonexistent/x'), 'w').w
 
 
 @pytest.fixture
-async def pool(workspace: Path) -> AsyncIterator[Pool]:
-    async with Pool(workspace, config=marked_config(pool={"workers": 4})) as pool:
-        yield pool
+async def pool(make_pool: MakePool) -> Pool:
+    return await make_pool(journal=None, pool={"workers": 4})
 
 
 # -- planted code -------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import marked_config
+from helpers import wait_until
 
 from sandbx_pool import Config, Pool, Status, UndoConflict
 from sandbx_pool.config import DEFAULT_PROTECTED
@@ -222,7 +223,8 @@ async def test_pre_images_are_never_read_through_a_symlink_to_outside(
         reading = asyncio.create_task(
             pool.call("bash", {"command": reader}, changes="direct", timeout=60)
         )
-        await asyncio.sleep(0)  # let the reader be sent first
+        # The reader runs (a worker took it) before the first tracked call is made.
+        await wait_until(lambda: len(pool.running()) == 1, what="the reader running")
         for path, command in commands.items():
             outcome = await pool.call("bash", {"command": command})
             assert outcome.ok, outcome.error

@@ -21,7 +21,7 @@ from helpers import journal_records, marked_pool_toml
 from test_cli import cli, one_line
 
 from sandbx_pool import Config, ConfigError, KilledBy, Pool, Status, UndoConflict
-from sandbx_pool.changes import APPLIED_ON_REOPEN
+from sandbx_pool.change_sets import APPLIED_ON_REOPEN
 from sandbx_pool.config import load_config
 from sandbx_pool.journal.prune import prune_default_journals
 from sandbx_pool.journal.reader import in_doubt_calls, read_journal

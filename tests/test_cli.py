@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 from test_batch import marked_toml
 
 from sandbx_pool.journal.prune import prune_default_journals
@@ -25,14 +26,7 @@ CHILD_S = 60
 def cli(
     *argv: str, cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_S,
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-    )
+    return run_cli(*argv, cwd=cwd, env=env, timeout=CHILD_S)
 
 
 def one_line(result: subprocess.CompletedProcess[str]) -> str:

@@ -154,14 +154,14 @@ def run_confined(script: str, workspace: Path, outside: Path) -> Any:
 
 _CHECK_OPENED_CONFINED = """
 import json, os, sys
-from sandbx_pool.workers import _libc, landlock, sandbox
+from sandbx_pool.workers import libc, landlock, sandbox
 from sandbx_pool.workers.errors import Denied
 from sandbx_pool.workers.paths import check_opened
 from sandbx_pool.workers.protocol import ExecutionContext
 workspace, outside = sys.argv[1], sys.argv[2]
 inside_fd = os.open(os.path.join(workspace, "hello.txt"), os.O_RDONLY)
 outside_fd = os.open(os.path.join(outside, "secret.txt"), os.O_RDONLY)  # opened before the rules
-_libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1)
+libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
 ruleset = landlock.Ruleset(handled_fs=landlock.fs_rights(99))
 ruleset.allow_path(workspace, landlock.READ_FILE | landlock.READ_DIR)
 ruleset.restrict_self()  # no rule for /proc, as a file tool's worker
@@ -191,7 +191,7 @@ def test_check_opened_needs_no_proc_rule(workspace: Path, outside: Path) -> None
 
 _FILE_RULES_ENTERED = """
 import json, os, sys
-from sandbx_pool.workers import _libc, rules, sandbox
+from sandbx_pool.workers import libc, rules, sandbox
 from sandbx_pool.workers.protocol import ExecutionContext, Sandbox
 workspace, outside = sys.argv[1], sys.argv[2]
 file_rules = rules.build_file_rules(workspace, Sandbox(), timeout_s=10)
@@ -199,7 +199,7 @@ assert file_rules is not None, "the helper built no ruleset"
 ctx = ExecutionContext(call_id="t", workspace=workspace, cwd=workspace, env={})
 fits = [file_rules.fits(ctx), file_rules.fits(ExecutionContext(
     call_id="t", workspace=outside, cwd=outside, env={}))]
-_libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1)
+libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
 file_rules.take().restrict_self()
 def reach(path, mode="r"):
     try:

@@ -17,12 +17,12 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import MARKER, leftover_processes, marked_config
+from conftest import MARKER, MakePool, leftover_processes, marked_config
 from helpers import alive, fifo_has_reader, pids_with, unique_tag, wait_until, wait_until_sync
 
 from sandbx_pool import CancelToken, KilledBy, Pool, PoolClosed, Status
@@ -48,13 +48,11 @@ def uptime() -> float:
 
 
 @pytest.fixture
-async def pool(containment: str, workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 4}, calls={"grace_s": 0.1})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
-        assert p._template is not None
-        if p._template.containment != containment:
-            pytest.skip(f"{containment} containment is not available here")
-        yield p
+async def pool(containment: str, make_pool: MakePool) -> Pool:
+    p = await make_pool(pool={"workers": 4}, calls={"grace_s": 0.1})
+    if p.fleet.containment != containment:
+        pytest.skip(f"{containment} containment is not available here")
+    return p
 
 
 async def assert_gone(tag: str, containment: str) -> None:
@@ -247,8 +245,8 @@ def test_a_pool_started_from_a_short_lived_thread_keeps_serving(
         )
         starter.start()
         starter.join()
-        assert pool._template is not None
-        template = pool._template.pid
+        assert pool.fleet.template is not None
+        template = pool.fleet.template.pid
         assert template is not None
 
         async def serve() -> list[Any]:
@@ -258,7 +256,7 @@ def test_a_pool_started_from_a_short_lived_thread_keeps_serving(
         outcomes = loop.run_until_complete(serve())
         assert [o.status for o in outcomes] == [Status.OK] * 10
         assert alive(template)
-        assert pool._template.pid == template
+        assert pool.fleet.template.pid == template
     finally:
         loop.run_until_complete(pool.close())
         loop.close()
@@ -280,7 +278,9 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> Callable[[], No
     to the call, whose driver has not resumed yet.
     """
     loop = asyncio.get_running_loop()
-    on_template, on_message = pool._on_template, pool._inbox.deliver
+    # The handlers the template and the inbox are given when the pool starts: the test stands
+    # between them and the pool's, to fire at one exact point (nothing public can).
+    on_template, on_message = pool.fleet._on_template, pool.fleet.inbox.deliver
     held: list[tuple[Any, ...]] = []
     state = {"armed": False, "spawned": False, "stopped": False}
 
@@ -303,7 +303,7 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> Callable[[], No
             fire()
             for args in held:
                 loop.call_soon(on_message, *args)
-        elif step == "handshaking" and pool._workers.busy:
+        elif step == "handshaking" and pool.fleet.workers.busy:
             fire()
 
     def at_message(*args: Any) -> None:
@@ -315,11 +315,11 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> Callable[[], No
             held.append(args)
             return
         on_message(*args)
-        if not state["stopped"] and step == "handshaking" and pool._workers.busy:
+        if not state["stopped"] and step == "handshaking" and pool.fleet.workers.busy:
             fire()
 
-    pool._on_template = at_template  # type: ignore[method-assign]
-    pool._inbox.deliver = at_message  # type: ignore[method-assign]
+    pool.fleet._on_template = at_template  # type: ignore[method-assign]
+    pool.fleet.inbox.deliver = at_message  # type: ignore[method-assign]
     return lambda: state.update(armed=True)
 
 
@@ -332,8 +332,8 @@ async def test_a_cancel_in_the_startup_window_leaves_nothing(
     token = CancelToken()
     arm = _stop_at(pool, step, lambda: token.cancel(step))
     async with pool:
-        assert pool._template is not None
-        template = pool._template.pid
+        assert pool.fleet.template is not None
+        template = pool.fleet.template.pid
         assert template is not None
         # start's own worker (the workspace check) gone, so the call's is the only one forked.
         await wait_until(lambda: children(template) == [])
@@ -361,8 +361,8 @@ async def test_a_close_in_the_startup_window_leaves_nothing(
     closing: list[asyncio.Task[None]] = []
     arm = _stop_at(pool, step, lambda: closing.append(asyncio.ensure_future(pool.close())))
     async with pool:
-        assert pool._template is not None
-        template = pool._template.pid
+        assert pool.fleet.template is not None
+        template = pool.fleet.template.pid
         assert template is not None
         # start's own worker (the workspace check) gone, so the call's is the only one forked.
         await wait_until(lambda: children(template) == [])
@@ -409,8 +409,8 @@ async def test_soak_of_cancels_timeouts_and_escapes_leaves_nothing(
     slots = asyncio.Semaphore(SOAK_IN_FLIGHT)
 
     async with Pool(workspace, journal=journal, config=config) as pool:
-        assert pool._template is not None
-        if pool._template.containment != containment:
+        assert pool.fleet.template is not None
+        if pool.fleet.template.containment != containment:
             pytest.skip(f"{containment} containment is not available here")
 
         async def one(i: int) -> Any:

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import pytest
 from conftest import marked_config
-from helpers import alive, wait_until, wait_until_sync
+from helpers import alive, run_cli, wait_until, wait_until_sync
 
 from sandbx_pool import Limits, Pool, descriptors
 from sandbx_pool.outcome import Status
@@ -100,12 +100,12 @@ STRANGERS_THEN_CALLS = """
 
     async def main():
         async with Pool(sys.argv[1], config=marked_config(pool={"workers": 4})) as pool:
-            print(pool._runtime_dir + "/coordinator.sock", flush=True)
+            print(pool.runtime_dir + "/coordinator.sock", flush=True)
             await asyncio.to_thread(sys.stdin.readline)  # the strangers have connected
             outcomes = await asyncio.gather(
                 *(pool.call("read", {"path": "hello.txt"}) for _ in range(8))
             )
-            print(json.dumps([o.status.value for o in outcomes]), pool._inbox.refused)
+            print(json.dumps([o.status.value for o in outcomes]), pool.fleet.inbox.refused)
 
     asyncio.run(main())
 """
@@ -185,9 +185,11 @@ def test_a_worker_costs_the_coordinator_the_descriptors_budgeted(workspace: Path
     async def open_with(spares: int) -> int:
         config = marked_config(pool={"workers": max(spares, 1), "prefork": spares})
         async with Pool(workspace, config=config) as pool:
-            await wait_until(lambda: len(pool._workers.idle) == spares, what="spares connected")
+            await wait_until(
+                lambda: len(pool.fleet.workers.idle) == spares, what="spares connected"
+            )
             # And nothing else: the worker that checked the workspace at start is reaped.
-            await wait_until(lambda: len(pool._workers.by_token) == spares, what="only spares")
+            await wait_until(lambda: len(pool.fleet.workers.by_token) == spares, what="only spares")
             return descriptors.open_count()
 
     none, six = asyncio.run(open_with(0)), asyncio.run(open_with(6))
@@ -198,9 +200,9 @@ def test_a_worker_costs_the_coordinator_the_descriptors_budgeted(workspace: Path
 
 
 def template_children(pool: Pool) -> int:
-    assert pool._template is not None
-    assert pool._template.pid is not None
-    return len(children(pool._template.pid))
+    assert pool.fleet.template is not None
+    assert pool.fleet.template.pid is not None
+    return len(children(pool.fleet.template.pid))
 
 
 async def test_unencodable_arguments_take_no_worker(pool: Pool, tmp_path: Path) -> None:
@@ -275,7 +277,7 @@ OPEN_AND_WAIT = """
 
     async def main():
         async with Pool(sys.argv[1], config=marked_config()) as pool:
-            print(pool._tmp_root, pool._runtime_dir, pool._template.pid, flush=True)
+            print(pool.tmp_root, pool.runtime_dir, pool.fleet.template.pid, flush=True)
             await asyncio.sleep(60)
 
     asyncio.run(main())
@@ -302,10 +304,10 @@ async def test_a_new_pool_removes_what_a_killed_coordinator_left_but_not_a_live_
         assert not is_dir(tmp_root)
         assert not is_dir(runtime_dir)
         # The live pool's (the fixture's) are left alone.
-        assert pool._tmp_root is not None
-        assert is_dir(pool._tmp_root)
-        assert pool._runtime_dir is not None
-        assert is_dir(pool._runtime_dir)
+        assert pool.tmp_root is not None
+        assert is_dir(pool.tmp_root)
+        assert pool.runtime_dir is not None
+        assert is_dir(pool.runtime_dir)
         assert (await pool.call("read", {"path": "hello.txt"})).ok
 
 
@@ -314,11 +316,11 @@ def test_a_dropped_pool_is_released_when_collected(workspace: Path) -> None:
         pool = Pool(workspace, config=marked_config())
         await pool.start()
         assert (await pool.call("read", {"path": "hello.txt"})).ok
-        assert pool._template is not None
-        assert pool._template.pid is not None
-        assert pool._tmp_root is not None
-        assert pool._runtime_dir is not None
-        return pool._template.pid, pool._tmp_root, pool._runtime_dir
+        assert pool.fleet.template is not None
+        assert pool.fleet.template.pid is not None
+        assert pool.tmp_root is not None
+        assert pool.runtime_dir is not None
+        return pool.fleet.template.pid, pool.tmp_root, pool.runtime_dir
 
     template_pid, tmp_root, runtime_dir = asyncio.run(open_and_drop())
     gc.collect()
@@ -339,10 +341,10 @@ async def test_a_pool_dropped_while_its_loop_runs_is_released_and_the_loop_serve
         pool = Pool(workspace, config=marked_config())
         await pool.start()
         assert (await pool.call("read", {"path": "hello.txt"})).ok
-        assert pool._template is not None
-        assert pool._template.pid is not None
-        assert pool._tmp_root is not None
-        return pool._template.pid, pool._tmp_root, weakref.ref(pool)
+        assert pool.fleet.template is not None
+        assert pool.fleet.template.pid is not None
+        assert pool.tmp_root is not None
+        return pool.fleet.template.pid, pool.tmp_root, weakref.ref(pool)
 
     template_pid, tmp_root, ref = await open_and_drop()
 
@@ -372,7 +374,7 @@ def test_a_pool_never_closed_is_released_at_interpreter_exit(workspace: Path) ->
             pool = Pool(sys.argv[1], config=marked_config())
             pools.append(pool)
             await pool.start()
-            print(pool._tmp_root, pool._runtime_dir, pool._template.pid, flush=True)
+            print(pool.tmp_root, pool.runtime_dir, pool.fleet.template.pid, flush=True)
 
         asyncio.run(main())
     """
@@ -389,13 +391,7 @@ def test_a_pool_never_closed_is_released_at_interpreter_exit(workspace: Path) ->
 
 
 def cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_S,
-        cwd=cwd,
-    )
+    return run_cli(*argv, cwd=cwd, timeout=CHILD_S)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:

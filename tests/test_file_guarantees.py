@@ -16,11 +16,10 @@ import os
 import random
 import stat
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import marked_config
+from conftest import MakePool, marked_config
 from helpers import wait_until
 
 from sandbx_pool import CancelToken, Outcome, Pool, Status
@@ -31,11 +30,9 @@ _MiB = 1024 * 1024
 
 
 @pytest.fixture
-async def pool8(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
+async def pool8(make_pool: MakePool) -> Pool:
     # kill_wait_s is generous: a worker killed during the fsync of 30 MB finishes it first.
-    config = marked_config(pool={"workers": 8}, calls={"kill_wait_s": 10.0})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
-        yield p
+    return await make_pool(pool={"workers": 8}, calls={"kill_wait_s": 10.0})
 
 
 def sha256(path: Path) -> str:
@@ -199,8 +196,8 @@ class DirectoryLock:
     directory, which no call can reach), held here by the test itself."""
 
     def __init__(self, pool: Pool, directory: Path) -> None:
-        assert pool._lock_dir is not None
-        self.path = Path(pool._lock_dir, lock_file_name(directory.stat()))
+        assert pool.lock_dir is not None
+        self.path = Path(pool.lock_dir, lock_file_name(directory.stat()))
         self.fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 

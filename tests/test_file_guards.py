@@ -15,12 +15,11 @@ import hashlib
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import marked_config
+from conftest import MakePool, marked_config
 from helpers import wait_until
 
 from sandbx_pool import CancelToken, Pool, Status
@@ -182,12 +181,10 @@ def outside(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def pool6(workspace: Path, outside: Path, tmp_path: Path) -> AsyncIterator[Pool]:
+async def pool6(outside: Path, make_pool: MakePool) -> Pool:
     # Granted read, like the system's directories: Landlock alone would refuse anything else,
     # and hide the race (the attack read /etc/shadow).
-    config = marked_config(pool={"workers": 6}, sandbox={"read_only": [str(outside)]})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
-        yield p
+    return await make_pool(pool={"workers": 6}, sandbox={"read_only": [str(outside)]})
 
 
 def leaked(value: dict[str, Any] | None) -> bool:

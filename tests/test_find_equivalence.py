@@ -336,7 +336,7 @@ def test_descent_enters_everything_under_a_leading_double_star() -> None:
 
 def test_filesystem_type_is_the_kernels(tmp_path: Path) -> None:
     """fstatfs through ctypes gives the magic number ``stat -f`` prints (coreutils)."""
-    from sandbx_pool.workers._libc import filesystem_type
+    from sandbx_pool.workers.libc import filesystem_type
 
     printed = subprocess.run(
         ["stat", "-f", "-c", "%t", str(tmp_path)], capture_output=True, text=True, check=True
@@ -354,7 +354,7 @@ def test_the_walk_lists_leaves_by_name_where_the_count_is_kept(
 ) -> None:
     """On a trusted filesystem the tree's leaves (src/gen, names, lib/pkg...) take the
     shortcut, so that the equivalence above compares it for real."""
-    from sandbx_pool.workers._libc import filesystem_type
+    from sandbx_pool.workers.libc import filesystem_type
     from sandbx_pool.workers.tools import find as find_module
 
     fd = os.open(tree, os.O_RDONLY | os.O_DIRECTORY)

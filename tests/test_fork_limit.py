@@ -88,16 +88,16 @@ async def pool(
         limits={"processes": LIMIT},
     )
     async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
-        assert p._template is not None
-        if p._template.containment != containment:
+        assert p.fleet.template is not None
+        if p.fleet.template.containment != containment:
             pytest.skip(f"{containment} containment is not available here")
         yield p
 
 
 def _pool_cgroup(pool: Pool) -> str:
-    assert pool._template is not None
-    path = pool._template.pids_cgroup
-    assert path is not None, pool._template.process_limit_why
+    assert pool.fleet.template is not None
+    path = pool.fleet.template.pids_cgroup
+    assert path is not None, pool.fleet.template.process_limit_why
     return path
 
 
@@ -228,8 +228,8 @@ async def test_with_no_process_limit_a_command_still_gets_a_cgroup_that_ends_wha
     then died reading the missing cgroup's members: every bash call "crashed"."""
     config = marked_config(pool={"workers": 1, "prefork": 0}, limits={"processes": 0})
     async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
-        assert pool._template is not None
-        if pool._template.containment != containment:
+        assert pool.fleet.template is not None
+        if pool.fleet.template.containment != containment:
             pytest.skip(f"{containment} containment is not available here")
         tag = unique_tag()
         daemon = f"setsid bash -c {shlex.quote(tagged_sleep(tag))} > /dev/null 2>&1 &"
@@ -273,8 +273,8 @@ async def test_stale_pool_cgroups_of_dead_templates_are_removed(
     async with Pool(workspace, journal=tmp_path / "j1.jsonl", config=config) as first:
         stale = _pool_cgroup(first)
         await first.call("bash", {"command": "true"})
-        assert first._template is not None
-        first._template.kill()
+        assert first.fleet.template is not None
+        first.fleet.template.kill()
         await first.close()
     assert _exists(stale)  # SIGKILL: no shutdown ran
     async with Pool(workspace, journal=tmp_path / "j2.jsonl", config=config) as second:

@@ -13,12 +13,11 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import marked_config
+from conftest import MakePool
 
 from sandbx_pool import Pool, Status
 from sandbx_pool.workers.protocol import ExecutionContext
@@ -77,9 +76,8 @@ def tree(workspace: Path) -> Path:
 
 
 @pytest.fixture
-async def pool(tree: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    async with Pool(tree, journal=tmp_path / "j.jsonl", config=marked_config()) as p:
-        yield p
+async def pool(tree: Path, make_pool: MakePool) -> Pool:
+    return await make_pool(tree, journal="j.jsonl")
 
 
 def rg_lines(tree: Path, pattern: str, options: list[str]) -> set[tuple[str, int]]:

@@ -159,8 +159,8 @@ async def test_a_bash_command_on_a_hung_mount_is_released_then_reaped(
     outcome = await asyncio.wait_for(call, RELEASE_BOUND_S + 1.0)  # + bash's SIGTERM grace
     assert outcome.status is Status.CANCELLED
     assert outcome.started
-    assert pool._template is not None
-    if pool._template.containment == "pidns":
+    assert pool.fleet.template is not None
+    if pool.fleet.template.containment == "pidns":
         assert outcome.quarantined
         # Reported is the process the kernel holds, cat, not the worker waiting for it.
         assert outcome.stuck_pid not in (None, outcome.worker_pid)

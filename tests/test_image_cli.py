@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import marked_config
+from helpers import run_cli
 from image_tools import require
 from oci_images import Entry, Layer, busybox_layer, have_busybox, write_layout
 
@@ -97,12 +98,8 @@ async def test_pool_image_pulls_into_the_configured_store_off_the_loop(tmp_path:
 
 
 def _cli(*args: str, config: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", "image", *args, "--config", str(config)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "HOME": str(config.parent)},
+    return run_cli(
+        "image", *args, "--config", str(config), env={"HOME": str(config.parent)}, timeout=None
     )
 
 
@@ -218,11 +215,8 @@ def _call(
     tmp_path: Path, *argv: str, ref: str, config: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     config = config or _call_config(tmp_path)
-    return subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", "call", *argv, "--image", ref,
-         "--config", str(config), "--workspace", str(tmp_path / "ws")],
-        capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+    where = ("--config", str(config), "--workspace", str(tmp_path / "ws"))
+    return run_cli("call", *argv, "--image", ref, *where, timeout=120)
 
 
 def _layers_left(tmp_path: Path) -> list[str]:

@@ -13,13 +13,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from conftest import marked_config
+from helpers import cli_argv
 from helpers import wait_until as wait_for
 from test_batch import count_in, marked_toml, start_cli, wait_until
 
@@ -429,7 +429,10 @@ def test_resume_never_runs_an_append_twice(
     # `journal in-doubt` lists the calls the resume skipped, whether the stop gave them an
     # outcome (SIGTERM: cancelled by shutdown after they started) or none (SIGKILL).
     listed = subprocess.run(
-        [*_cli(), "journal", "in-doubt", str(journal)], capture_output=True, text=True, check=True
+        [*cli_argv(), "journal", "in-doubt", str(journal)],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     assert sorted(line.split()[0] for line in listed) == sorted(f"append-{n}" for n in in_flight)
     why = "no outcome" if stop is signal.SIGKILL else "stopped after it started"
@@ -454,14 +457,13 @@ def test_a_completing_resume_leaves_nothing_in_doubt(
     scan = read_journal(journal)
     assert (in_doubt_calls(scan), interrupted(scan)) == ([], [])
     listed = subprocess.run(
-        [*_cli(), "journal", "in-doubt", str(journal)], capture_output=True, text=True, check=True
+        [*cli_argv(), "journal", "in-doubt", str(journal)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert listed.stdout == ""
     assert "no calls in doubt" in listed.stderr
-
-
-def _cli() -> list[str]:
-    return [sys.executable, "-m", "sandbx_pool.cli"]
 
 
 # -- what settles a call, what resume skips ---------------------------------------------------

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import marked_config
+from conftest import MakePool, marked_config
 
 from sandbx_pool import Pool, Status
 from sandbx_pool.workers.protocol import Limits
@@ -24,10 +23,8 @@ MiB = 1024 * 1024
 
 
 @pytest.fixture
-async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 2}, calls={"grace_s": 0.0})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
-        yield p
+async def pool(make_pool: MakePool) -> Pool:
+    return await make_pool(pool={"workers": 2}, calls={"grace_s": 0.0})
 
 
 @pytest.fixture

@@ -501,7 +501,7 @@ def test_the_proxy_ends_with_a_killed_pool(tmp_path: Path) -> None:
             pool = Pool({str(workspace)!r}, config=config, workers=1)
             await pool.start()
             await pool.call("bash", {{"command": "true"}})
-            print(pool._proxy.process.pid, flush=True)  # the test's only look inside
+            print(pool._network.handle.process.pid, flush=True)  # the test's only look inside
             await asyncio.sleep(600)
         asyncio.run(main())
     """)
@@ -598,8 +598,9 @@ async def test_a_call_cannot_reach_the_proxys_own_socket(workspace: Path, server
     async with Pool(workspace, config=allow_config([f"index.test:{server.port}"])) as pool:
         first = await pool.call("bash", {"command": "true"}, timeout=60)
         assert first.ok, first
-        assert pool._proxy is not None  # where the socket is: the test's only look inside
-        path = pool._proxy.path
+        proxy = pool._network.handle  # its socket and process: the test's only look inside
+        assert proxy is not None
+        path = proxy.path
         assert Path(path).is_socket()  # noqa: ASYNC240 (a stat of our own runtime directory)
         probe = (
             f"{PYTHON} -c 'import socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)"
@@ -612,8 +613,8 @@ async def test_a_call_cannot_reach_the_proxys_own_socket(workspace: Path, server
         assert "Error" in outcome.value["stderr"]  # ENOENT or EACCES: the directory is covered
         assert stdout.split()[-1] == "0"  # no socket of the worker's leaked into the command
         # And the proxy itself holds no capability, whoever runs the pool.
-        assert pool._proxy.process is not None
-        status = Path(f"/proc/{pool._proxy.process.pid}/status").read_text()  # noqa: ASYNC240
+        assert proxy.process is not None
+        status = Path(f"/proc/{proxy.process.pid}/status").read_text()  # noqa: ASYNC240
         assert "CapEff:\t0000000000000000" in status
         assert "NoNewPrivs:\t1" in status
 
@@ -768,10 +769,11 @@ async def test_another_pools_call_cannot_register_with_this_pools_proxy(
         async with Pool(workspace, config=allow_config([f"index.test:{server.port}"])) as other:
             monkeypatch.delenv("XDG_RUNTIME_DIR")
             assert (await other.call("bash", {"command": "true"}, timeout=60)).ok
-            assert other._proxy is not None  # where its socket is: the test's only look inside
+            proxy = other._network.handle  # where its socket is: the test's only look inside
+            assert proxy is not None
             (workspace / "forger.py").write_text(FORGER)
             async with Pool(workspace, config=allow_config(False)) as pool:
-                command = f"{PYTHON} forger.py {other._proxy.path} {server.port}"
+                command = f"{PYTHON} forger.py {proxy.path} {server.port}"
                 outcome = await pool.call("bash", {"command": command}, timeout=60)
     finally:
         shutil.rmtree(xdg, ignore_errors=True)
@@ -906,10 +908,10 @@ async def test_the_proxy_starts_with_the_first_listed_call_and_stops_with_the_po
     async with Pool(workspace, config=allow_config(True)) as pool:
         assert (await pool.call("bash", {"command": "true"}, timeout=60)).ok
         assert (await pool.call("bash", {"command": "true"}, network=False, timeout=60)).ok
-        assert pool._proxy is None  # no call asked for a list: nothing started
+        assert pool._network.handle is None  # no call asked for a list: nothing started
         listed = await pool.call("bash", {"command": "true"}, network=["index.test"], timeout=60)
         assert listed.ok, listed
-        handle = pool._proxy
+        handle = pool._network.handle  # started now, stopped with the pool: a look inside
         assert handle is not None
         assert handle.process is not None
         process = handle.process

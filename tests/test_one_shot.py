@@ -11,11 +11,11 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 from sandbx_pool.cli.main import main
 from sandbx_pool.config import Config
@@ -45,13 +45,7 @@ CHILD_S = 60
 def cli(
     *argv: str, cwd: Path, python_options: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *python_options, "-m", "sandbx_pool.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_S,
-        cwd=cwd,
-    )
+    return run_cli(*argv, cwd=cwd, timeout=CHILD_S, python_options=python_options)
 
 
 def light_config() -> Config:
@@ -63,10 +57,10 @@ async def test_a_pool_adopts_the_template_launched_before_it(workspace: Path) ->
     try:
         async with Pool(workspace, config=light_config()) as pool:
             assert take_prelaunched(warm_up=False) is None  # taken by the pool
-            assert pool._template is not None
-            launched = pool._template.launch.process
+            assert pool.fleet.template is not None
+            launched = pool.fleet.template.launch.process
             assert launched is not None
-            assert pool._template.pid == launched.pid
+            assert pool.fleet.template.pid == launched.pid
             outcome = await pool.call("read", {"path": "hello.txt"}, timeout=30)
         assert outcome.status == "ok"
         assert outcome.value["content"] == "hello\nworld\n"
@@ -83,8 +77,8 @@ async def test_a_template_launched_for_other_settings_is_not_adopted(workspace: 
             waiting = take_prelaunched(warm_up=False)  # a warmed-up pool left it waiting
             assert waiting is not None
             assert waiting.launch.process is not None
-            assert pool._template is not None
-            assert pool._template.pid != waiting.launch.process.pid
+            assert pool.fleet.template is not None
+            assert pool.fleet.template.pid != waiting.launch.process.pid
         waiting.socket.close()  # its EOF: it exits on its own
         assert waiting.launch.process.wait(timeout=CHILD_S) is not None
         waiting.stop()

@@ -286,17 +286,17 @@ async def test_workers_that_cannot_start_fail_the_waiting_call_not_fork_forever(
     config = marked_config(pool={"workers": 1, "prefork": 1})
     async with Pool(workspace, config=config, journal=journal) as pool:
         assert (await pool.call("read", {"path": "hello.txt"})).status is Status.OK
-        assert pool._runtime_dir is not None
-        os.unlink(os.path.join(pool._runtime_dir, "coordinator.sock"))
+        assert pool.runtime_dir is not None
+        os.unlink(os.path.join(pool.runtime_dir, "coordinator.sock"))
         async with asyncio.timeout(60):  # without the bound, the second call never returns
             outcomes = [await pool.call("read", {"path": "hello.txt"}) for _ in range(3)]
         # With no call waiting, the template is left alone: no spare is forked to fail again.
         # (Absence has no event to await: a template forking in a loop burns a core, so half
         # a second shows it.)
-        assert pool._template is not None
-        spent = _cpu_seconds(pool._template.pid)
+        assert pool.fleet.template is not None
+        spent = _cpu_seconds(pool.fleet.template.pid)
         await asyncio.sleep(0.5)
-        assert _cpu_seconds(pool._template.pid) - spent < 0.1
+        assert _cpu_seconds(pool.fleet.template.pid) - spent < 0.1
     failed = [o for o in outcomes if o.status is not Status.OK]
     assert len(failed) >= 2  # at most one worker was ready before the socket went
     for outcome in failed:

@@ -21,12 +21,11 @@ import asyncio
 import os
 import stat
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import marked_config
+from conftest import MakePool, marked_config
 
 from sandbx_pool import CancelToken, OutputChunk, Pool, Status
 from sandbx_pool.workers import protected, protected_snapshot
@@ -46,10 +45,8 @@ def hold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
 
 @pytest.fixture
-async def pool(hold: str, workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 2})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
-        yield pool
+async def pool(hold: str, make_pool: MakePool) -> Pool:
+    return await make_pool(pool={"workers": 2})
 
 
 @pytest.fixture

@@ -184,8 +184,8 @@ def test_a_tmpdir_is_removed_without_following_its_links(tmp_path: Path) -> None
 
 
 async def test_a_call_that_cannot_be_confined_does_not_run(pool: Pool, workspace: Path) -> None:
-    assert pool._tmp_root is not None
-    shutil.rmtree(pool._tmp_root)  # where its TMPDIR would go
+    assert pool.tmp_root is not None
+    shutil.rmtree(pool.tmp_root)  # where its TMPDIR would go
     outcome = await pool.call("bash", {"command": "touch ran"})
     assert outcome.status is Status.ERROR
     assert outcome.error is not None
@@ -261,8 +261,8 @@ async def test_no_listed_socket_path_names_the_pool(pool: Pool) -> None:
     assert pool.config.sandbox.network
     value = await bash(pool, "cat /proc/net/unix")
     paths = [line.split()[-1] for line in value["stdout"].splitlines()[1:] if len(line.split()) > 7]
-    assert pool._runtime_dir is not None
-    assert f"{pool._runtime_dir}/coordinator.sock" in paths  # the listing is the host's
+    assert pool.runtime_dir is not None
+    assert f"{pool.runtime_dir}/coordinator.sock" in paths  # the listing is the host's
     me = {str(os.getpid()), str(start_time(os.getpid()))}
     for path in paths:
         assert not me & set(re.split(r"[/\-_.]", path)), path
@@ -280,8 +280,8 @@ async def any_pool(
         monkeypatch.setenv(CONTAINMENT_ENV, "subreaper")
     config = marked_config(pool={"workers": 4})
     async with Pool(workspace, journal=tmp_path / "j.jsonl", config=config) as p:
-        assert p._template is not None
-        if p._template.containment != request.param:
+        assert p.fleet.template is not None
+        if p.fleet.template.containment != request.param:
             pytest.skip(f"{request.param} containment is not available here")
         if request.param == "subreaper" and not landlock.has_scoping(landlock.abi_version()):
             pytest.skip("without a PID namespace, only Landlock scoping stops the signals")
@@ -296,11 +296,11 @@ def process_state(pid: int) -> str:
 async def test_a_call_cannot_kill_or_stop_anyone_else(any_pool: Pool, workspace: Path) -> None:
     pool = any_pool
     blocker = await started_blocker(pool, workspace)
-    assert pool._template is not None
-    assert pool._template.pid is not None
-    targets = [os.getpid(), pool._template.pid, pool.running()[0]["pid"]]
+    assert pool.fleet.template is not None
+    assert pool.fleet.template.pid is not None
+    targets = [os.getpid(), pool.fleet.template.pid, pool.running()[0]["pid"]]
     # Idle workers too, except the first: it takes the attacking call (and may end it).
-    targets += [w.pid for w in list(pool._workers.idle)[1:] if w.pid is not None]
+    targets += [w.pid for w in list(pool.fleet.workers.idle)[1:] if w.pid is not None]
     command = "; ".join(f"kill -{sig} {pid}" for sig in ("STOP", "9") for pid in targets)
     value = await bash(pool, command + "; echo still here")
     assert value["stdout"] == "still here\n"
@@ -326,7 +326,7 @@ async def test_no_memory_or_environment_of_another_process(any_pool: Pool, works
     value = await bash(pool, command)
     assert value["stdout"].split() == ["0"] * len(reads), value
     assert value["stderr"].count("head: cannot open") == len(reads), value["stderr"]
-    if pool._template is not None and pool._template.containment == "pidns":
+    if pool.fleet.template is not None and pool.fleet.template.containment == "pidns":
         # The call's /proc shows its own PID namespace only: the others are not even there.
         assert str(me) not in (await bash(pool, "ls /proc"))["stdout"].split()
         assert value["stderr"].count("No such file or directory") == 4
@@ -336,13 +336,13 @@ async def test_no_memory_or_environment_of_another_process(any_pool: Pool, works
 def spy_on_secrets(pool: Pool) -> list[str]:
     """The secret of each call the pool sends from now on (only its worker should know)."""
     secrets_sent: list[str] = []
-    send = pool._inbox.send
+    send = pool.fleet.inbox.send
 
     def spy(identity: bytes, payload: bytes) -> None:
         secrets_sent.append(call_decoder.decode(payload).secret)
         send(identity, payload)
 
-    pool._inbox.send = spy  # type: ignore[method-assign]
+    pool.fleet.inbox.send = spy  # type: ignore[method-assign]
     return secrets_sent
 
 
@@ -447,8 +447,8 @@ def test_an_unknown_run_as_user_is_a_config_error(tmp_path: Path) -> None:
 
 
 def endpoint(pool: Pool) -> str:
-    assert pool._runtime_dir is not None
-    return f"{pool._runtime_dir}/coordinator.sock"
+    assert pool.runtime_dir is not None
+    return f"{pool.runtime_dir}/coordinator.sock"
 
 
 @pytest.mark.needs("mount namespaces")
@@ -480,8 +480,10 @@ async def test_forged_messages_touch_no_call(
     forged Results for the running call."""
     blocker = await started_blocker(pool, workspace)
     [running] = pool.running()
-    busy = pool._workers.by_pid[running["pid"]]
-    future_tokens = [f"{n}.{secrets.token_hex(8)}" for n in range(len(pool._workers.by_token) + 8)]
+    busy = pool.fleet.workers.by_pid[running["pid"]]
+    future_tokens = [
+        f"{n}.{secrets.token_hex(8)}" for n in range(len(pool.fleet.workers.by_token) + 8)
+    ]
     forged = Result(call_id=running["call_id"], status="ok", value={"stdout": "forged"})
     context = zmq.Context()
     strangers = []
@@ -517,18 +519,18 @@ async def test_only_the_calls_secret_completes_it(pool: Pool, workspace: Path) -
     secrets_sent = spy_on_secrets(pool)
     blocker = await started_blocker(pool, workspace)
     [running] = pool.running()
-    worker = pool._workers.by_pid[running["pid"]]
+    worker = pool.fleet.workers.by_pid[running["pid"]]
     frames = lambda result: [worker.identity, encoder.encode(result)]  # noqa: E731
     forged = Result(call_id=running["call_id"], status="ok", value={"stdout": "forged"})
-    pool._inbox.deliver(frames(forged), running["pid"])
-    pool._inbox.deliver(frames(msgspec.structs.replace(forged, secret="0" * 32)))
+    pool.fleet.inbox.deliver(frames(forged), running["pid"])
+    pool.fleet.inbox.deliver(frames(msgspec.structs.replace(forged, secret="0" * 32)))
     right = msgspec.structs.replace(forged, secret=secrets_sent[0])
-    pool._inbox.deliver(frames(msgspec.structs.replace(right, v=2)))
-    pool._inbox.deliver(frames(msgspec.structs.replace(right, status="pwned")))
+    pool.fleet.inbox.deliver(frames(msgspec.structs.replace(right, v=2)))
+    pool.fleet.inbox.deliver(frames(msgspec.structs.replace(right, status="pwned")))
     await asyncio.sleep(0)
     assert not blocker.done()
     # The control: with the secret, the same message is taken (only the worker has it).
-    pool._inbox.deliver(frames(right))
+    pool.fleet.inbox.deliver(frames(right))
     outcome = await blocker
     assert outcome.value == {"stdout": "forged"}
     (workspace / "release").touch()  # let the real worker finish, its Result is then dropped
@@ -539,7 +541,7 @@ async def test_fuzz_of_the_decoding_path(pool: Pool, workspace: Path) -> None:
     rng = random.Random(9)
     blocker = await started_blocker(pool, workspace)
     [running] = pool.running()
-    tokens = [w.token for w in pool._workers.by_token.values()] + ["", "x", "1.1"]
+    tokens = [w.token for w in pool.fleet.workers.by_token.values()] + ["", "x", "1.1"]
     valid = [
         encoder.encode(Ready(token=rng.choice(tokens))),
         encoder.encode(Result(call_id=running["call_id"], status="ok", value={"a": 1})),
@@ -569,7 +571,7 @@ async def test_fuzz_of_the_decoding_path(pool: Pool, workspace: Path) -> None:
         identity = rng.choice(tokens).encode()
         frames = [identity, payload][: rng.choice([2, 2, 2, 1])] + [b"x"] * rng.choice([0, 0, 1])
         # As ZeroMQ reports any stranger: by a pid that is not the worker's.
-        pool._inbox.deliver(frames, rng.choice([os.getpid(), 1, 2**31]))
+        pool.fleet.inbox.deliver(frames, rng.choice([os.getpid(), 1, 2**31]))
     assert not blocker.done()
     await finish_blocker(blocker, workspace)
     outcomes = await asyncio.gather(*(bash(pool, f"echo {i}") for i in range(8)))

@@ -373,7 +373,7 @@ async def test_a_call_reaches_a_service_on_the_hosts_network(pool: Pool) -> None
 
 @pytest.mark.needs("network namespaces")
 async def test_an_offline_services_port_is_its_sessions_alone(pool: Pool) -> None:
-    if not pool.views or pool._template_in_user_namespaces():
+    if not pool.views or pool.fleet.in_user_namespaces:
         with pytest.raises(ValueError, match="share a network namespace"):
             await pool.service("web", "true", session="s1", network=False)
         pytest.skip("workers here cannot join one another's network namespace")

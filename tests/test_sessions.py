@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import marked_config
-from helpers import journal_records
+from helpers import journal_records, wait_until
 
 from sandbx_pool import CancelToken, Pool, Status
 from sandbx_pool.workers.protocol import SESSION_ENV_BYTES
@@ -322,8 +322,9 @@ async def test_killed_calls_do_not_change_the_session(pool: Pool, workspace: Pat
 
 async def test_session_state_waits_for_the_calls_in_flight(pool: Pool) -> None:
     running = asyncio.create_task(_bash(pool, "sleep 0.2; export LATE=1"))
-    await asyncio.sleep(0)  # one turn of the loop: pool.call reserves before its first await
-    assert pool.has_session("s")
+    # pool.call takes the session's turn before anything it awaits: the session is there as
+    # soon as the call has started, whatever the loop does next.
+    await wait_until(lambda: pool.has_session("s"), what="the call's session")
     assert (await pool.session("s"))["env"] == {"LATE": "1"}
     assert (await running).status is Status.OK
 

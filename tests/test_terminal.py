@@ -8,12 +8,11 @@ import os
 import re
 import select
 import subprocess
-import sys
 import termios
 import time
 from pathlib import Path
 
-from helpers import marked_pool_toml
+from helpers import cli_argv, marked_pool_toml
 
 from sandbx_pool.terminal import escape_controls
 
@@ -28,10 +27,6 @@ SHOWN = rb"\x1b]0;pwned\x07\x1b[2J\x1b]52;c;aGk=\x07\x9bX\x0dY" + b"\tZ" + rb"\x
 
 #: Bytes that would drive a terminal: C0 but newline and tab, DEL, and C1 as UTF-8 (C2 80-9F).
 DRIVING = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]|\xc2[\x80-\x9f]")
-
-
-def cli_argv(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "sandbx_pool.cli", *argv]
 
 
 def on_terminal(argv: list[str], cwd: Path) -> tuple[int, bytes]:

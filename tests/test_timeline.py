@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from helpers import wait_until_sync
+from helpers import run_cli, wait_until_sync
 
 from sandbx_pool.journal.reader import read_journal
 from sandbx_pool.journal.records import (
@@ -84,14 +84,7 @@ def write_journal(path: Path, records: list[JournalRecord], tail: bytes = b"") -
 
 def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE_S,
-        env={**os.environ, "PYTHONPATH": path, **(env or {})},
-        check=False,
-    )
+    return run_cli(*argv, timeout=DEADLINE_S, env={"PYTHONPATH": path, **(env or {})})
 
 
 def bars_in(dom: str) -> list[str]:

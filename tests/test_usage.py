@@ -15,13 +15,12 @@ import json
 import os
 import resource
 import shlex
-import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import doctor_checks, marked_config
+from conftest import MakePool, doctor_checks, marked_config
+from helpers import run_cli
 
 from sandbx_pool import CancelToken, Outcome, OutputChunk, Pool, Status
 from sandbx_pool.workers.memory_cgroup import oom_kills
@@ -70,10 +69,8 @@ def memory_cgroup_here() -> bool:
 
 
 @pytest.fixture
-async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 2})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as p:
-        yield p
+async def pool(make_pool: MakePool) -> Pool:
+    return await make_pool(pool={"workers": 2})
 
 
 def within(measured: float, figure: float, share: float = 0.10) -> bool:
@@ -262,14 +259,7 @@ async def test_the_pools_memory_limit_applies_unless_the_call_gives_its_own(
 
 
 def _cli(*args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return done.stdout
+    return run_cli(*args, timeout=120, check=True).stdout
 
 
 async def test_the_journal_keeps_the_figures_and_stats_ranks_the_calls(

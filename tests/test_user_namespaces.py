@@ -22,34 +22,31 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import marked_config
+from conftest import MakePool, marked_config
 from helpers import bash_value as bash
 from helpers import wait_until
 
 from sandbx_pool import Limits, Pool, Status
 from sandbx_pool.cli.main import main as cli_main
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 PY = sys.executable
 _CAP_SYS_ADMIN = 21
 
 #: Root as a host gives it: the template makes each worker's namespaces itself.
-direct = bool(_libc.capget()[0] >> _CAP_SYS_ADMIN & 1)
+direct = bool(libc.capget()[0] >> _CAP_SYS_ADMIN & 1)
 without_root_power = pytest.mark.skipif(
     direct, reason="CAP_SYS_ADMIN: the namespaces are made directly, in no user namespace"
 )
 
 
 @pytest.fixture
-async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
-    config = marked_config(pool={"workers": 2})
-    async with Pool(workspace, journal=tmp_path / "journal.jsonl", config=config) as pool:
-        yield pool
+async def pool(make_pool: MakePool) -> Pool:
+    return await make_pool(pool={"workers": 2})
 
 
 # -- the user namespace -------------------------------------------------------------------------
@@ -60,9 +57,9 @@ async def pool(workspace: Path, tmp_path: Path) -> AsyncIterator[Pool]:
 async def test_each_call_gets_a_user_namespace_mapping_only_the_pools_ids(
     pool: Pool, workspace: Path
 ) -> None:
-    assert pool._template is not None
-    assert pool._template.user_namespaces, "the template made no user namespace"
-    assert pool._template.containment == "pidns"
+    assert pool.fleet.template is not None
+    assert pool.fleet.template.user_namespaces, "the template made no user namespace"
+    assert pool.fleet.template.containment == "pidns"
     uid, gid = os.geteuid(), os.getegid()
     # Two calls at once: a namespace's number can be reused once it is gone.
     first = asyncio.create_task(
@@ -102,7 +99,7 @@ async def test_a_call_cannot_make_a_user_namespace(pool: Pool) -> None:
         pool,
         "unshare -U true; echo rc=$?; unshare -Ur true; echo rc=$?;"
         f" {PY} -c 'import ctypes; l = ctypes.CDLL(None, use_errno=True);"
-        f" print(l.unshare({_libc.CLONE_NEWUSER}), ctypes.get_errno())'",
+        f" print(l.unshare({libc.CLONE_NEWUSER}), ctypes.get_errno())'",
     )
     assert value["stdout"].splitlines() == ["rc=1", "rc=1", "-1 1"], value  # EPERM
     assert value["stderr"].count("Operation not permitted") == 2, value
@@ -191,8 +188,8 @@ async def test_the_process_limit_binds_the_call(pool: Pool) -> None:
     assert outcome.status is Status.OK, outcome
     assert outcome.value is not None
     assert 10 <= int(outcome.value["stdout"]) < 20, outcome.value
-    assert pool._template is not None
-    if pool._template.pids_cgroup is not None:
+    assert pool.fleet.template is not None
+    if pool.fleet.template.pids_cgroup is not None:
         assert outcome.limit == "processes"  # RLIMIT_NPROC leaves no record of a refused fork
 
 
@@ -201,10 +198,10 @@ async def test_doctor_says_what_the_template_does(
 ) -> None:
     assert await asyncio.to_thread(cli_main, ["doctor", "--json"]) == 0
     checks = {c["name"]: c["ok"] for c in msgspec.json.decode(capsys.readouterr().out)}
-    assert pool._template is not None
-    assert checks["PID namespaces"] is (pool._template.containment == "pidns")
-    assert checks["user namespaces"] is (direct or pool._template.user_namespaces)
-    assert pool._template.user_namespaces is (not direct and checks["user namespaces"])
+    assert pool.fleet.template is not None
+    assert checks["PID namespaces"] is (pool.fleet.template.containment == "pidns")
+    assert checks["user namespaces"] is (direct or pool.fleet.template.user_namespaces)
+    assert pool.fleet.template.user_namespaces is (not direct and checks["user namespaces"])
 
 
 # -- the fallbacks ------------------------------------------------------------------------------
@@ -219,9 +216,9 @@ async def test_user_namespaces_can_be_turned_off(
     path.write_text("[sandbox]\nuser_namespaces = false\n")
     config = marked_config(pool={"workers": 1}, sandbox={"user_namespaces": False})
     async with Pool(workspace, journal=tmp_path / "j.jsonl", config=config) as pool:
-        assert pool._template is not None
-        assert pool._template.user_namespaces is False
-        assert pool._template.containment == ("pidns" if direct else "subreaper")
+        assert pool.fleet.template is not None
+        assert pool.fleet.template.user_namespaces is False
+        assert pool.fleet.template.containment == ("pidns" if direct else "subreaper")
         listing = (await bash(pool, "ls /proc"))["stdout"].split()
         assert (str(os.getpid()) in listing) is not direct  # the host's /proc, without
     assert await asyncio.to_thread(cli_main, ["doctor", "--json", "--config", str(path)]) == 0
@@ -266,8 +263,8 @@ async def main() -> None:
         outcome = await pool.call("bash", {"command": "ls /proc"}, timeout=30)
         print(json.dumps({
             "checks": checks,
-            "containment": pool._template.containment,
-            "user_namespaces": pool._template.user_namespaces,
+            "containment": pool.fleet.template.containment,
+            "user_namespaces": pool.fleet.template.user_namespaces,
             "host_proc": str(os.getpid()) in outcome.value["stdout"].split(),
         }))
 

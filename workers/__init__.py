@@ -17,7 +17,7 @@ are loaded by the template process alone.
 
 #: What any coordinator module may import from this package (see above).
 COORDINATOR_MAY_IMPORT = frozenset(
-    {"protocol", "schemas", "errors", "globs", "procfs", "_libc", "rg_binary", "hooks_path"}
+    {"protocol", "schemas", "errors", "globs", "procfs", "libc", "rg_binary", "hooks_path"}
 )
 #: What ``sandbx_pool.cli.doctor`` (and its probes, ``doctor_probes``) may import besides: the
 #: worker side's probes of what the kernel gives.

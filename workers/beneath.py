@@ -1,7 +1,7 @@
 """Paths beneath a directory, reached without following a symlink in any component.
 
 A change set is applied, its pre-images read and an undo written by a worker on the real
-workspace (workers.changes), while other calls may run on it: a direct call can swap a
+workspace (workers.upper_scan), while other calls may run on it: a direct call can swap a
 directory of the change set for a symlink (``rm -r d; ln -s ../.git/hooks d``) between the
 scan and the write. A path string opened as it is would then follow the link, and a file the
 call left at ``d/pre-commit`` would land in ``.git/hooks``, run at the user's next commit. So
@@ -28,7 +28,7 @@ import errno
 import os
 import stat
 
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 #: openat2(2)'s number: the generic table's, the same on every architecture.
 _SYS_OPENAT2 = 437
@@ -73,7 +73,7 @@ def _openat2(dir_fd: int, rel: str, flags: int, mode: int) -> int:
     )
     path = os.fsencode(rel)
     try:
-        fd = _libc.syscall(
+        fd = libc.syscall(
             f"openat2 {rel}",
             _SYS_OPENAT2,
             dir_fd,

@@ -20,7 +20,7 @@ start: it is opened by its path.
 
 Applying the same change set twice leaves what applying it once left, and the pre-images are
 taken once (images.json is kept): a coordinator killed mid-apply has the apply run again on
-reopen (sandbx_pool.changes), which finishes it.
+reopen (sandbx_pool.change_sets), which finishes it.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import stat
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 from sandbx_pool.workers.beneath import Beneath, Swapped
-from sandbx_pool.workers.changes import (
+from sandbx_pool.workers.upper_scan import (
     ABSENT,
     Change,
     Image,
@@ -295,7 +295,7 @@ def _put_symlink(workspace: Beneath, rel: str, target: str) -> None:
 def _sync_filesystem(workspace: Beneath) -> None:
     """syncfs(2) on the workspace's filesystem: every staged file's data on disk in one flush,
     where an fsync per file cost 1.3 ms a file here (1,000 files: 1.3 s)."""
-    if _SYS_SYNCFS is None or _libc.try_syscall(_SYS_SYNCFS, workspace.fd) != 0:
+    if _SYS_SYNCFS is None or libc.try_syscall(_SYS_SYNCFS, workspace.fd) != 0:
         os.sync()
 
 

@@ -30,12 +30,12 @@ import os
 import resource
 import signal
 
-from sandbx_pool.workers import _libc, bare_fork
+from sandbx_pool.workers import bare_fork, libc
 from sandbx_pool.workers.procfs import children
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    _libc.prctl(_libc.PR_SET_PDEATHSIG, sig, what="prctl(PR_SET_PDEATHSIG)")
+    libc.prctl(libc.PR_SET_PDEATHSIG, sig, what="prctl(PR_SET_PDEATHSIG)")
 
 
 def release_standard_streams(devnull: int) -> None:
@@ -53,7 +53,7 @@ def release_standard_streams(devnull: int) -> None:
 
 
 def set_child_subreaper() -> None:
-    _libc.prctl(_libc.PR_SET_CHILD_SUBREAPER, 1, what="prctl(PR_SET_CHILD_SUBREAPER)")
+    libc.prctl(libc.PR_SET_CHILD_SUBREAPER, 1, what="prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 class PidNamespaces:
@@ -70,10 +70,10 @@ class PidNamespaces:
         self._own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
 
     def enter_new(self) -> None:
-        _libc.unshare(_libc.CLONE_NEWPID, what="unshare(CLONE_NEWPID)")
+        libc.unshare(libc.CLONE_NEWPID, what="unshare(CLONE_NEWPID)")
 
     def leave(self) -> None:
-        _libc.setns(self._own, _libc.CLONE_NEWPID, what="setns(pid)")
+        libc.setns(self._own, libc.CLONE_NEWPID, what="setns(pid)")
 
     def fork(self) -> int:
         """One fork into a new PID namespace; the caller's own children go to its own again.
@@ -106,7 +106,7 @@ class UserNamespaces:
     """
 
     user_namespace = True
-    _FLAGS = _libc.CLONE_NEWUSER | _libc.CLONE_NEWPID
+    _FLAGS = libc.CLONE_NEWUSER | libc.CLONE_NEWPID
 
     def __init__(self) -> None:
         # The effective ids, as the kernel reads them: the one mapping a process without
@@ -202,8 +202,8 @@ def probe_user_namespaces() -> UserNamespaces | None:
         status = _PROBE_FAILED
         try:
             namespaces.enter_child()
-            _libc.unshare(_libc.CLONE_NEWNS, what="unshare(CLONE_NEWNS)")
-            _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
+            libc.unshare(libc.CLONE_NEWNS, what="unshare(CLONE_NEWNS)")
+            libc.mount("none", "/", None, libc.MS_REC | libc.MS_SLAVE, None)
             status = 0
         finally:
             os._exit(status)

@@ -48,7 +48,7 @@ import os
 import re
 import stat
 
-from sandbx_pool.workers import _libc, view
+from sandbx_pool.workers import libc, view
 from sandbx_pool.workers.errors import ToolError
 
 #: The legacy mount(2) copies one page of options; past it, the new mount API (fsconfig).
@@ -111,11 +111,11 @@ def mount(layer_dir: str, lowers: tuple[str, ...], root: str, options: str, *, u
         # nodev: an image is anyone's tarball, and a device node in it (a disk, /dev/mem)
         # would open as its mode says, capability or not. nosuid: no_new_privs holds for
         # the call's programs already; this holds for anything else that could exec them.
-        flags = _libc.MS_NOSUID | _libc.MS_NODEV | (0 if upper else _libc.MS_RDONLY)
+        flags = libc.MS_NOSUID | libc.MS_NODEV | (0 if upper else libc.MS_RDONLY)
         data = f"lowerdir={':'.join(named)},{rest}"
         try:
             if len(data.encode()) < _OPTIONS_PAGE:
-                _libc.mount("sandbx-image", root, "overlay", flags, data)
+                libc.mount("sandbx-image", root, "overlay", flags, data)
             else:
                 _mount_many(named, rest, root, read_only=not upper)
         except OSError as exc:
@@ -130,7 +130,7 @@ def mount(layer_dir: str, lowers: tuple[str, ...], root: str, options: str, *, u
 def _mount_many(lowers: list[str], rest: str, root: str, *, read_only: bool) -> None:
     """The overlay through the new mount API, one lower at a time (``lowerdir+``, Linux 6.8):
     no page of options to fill. ENOSYS or EINVAL before 6.8, said as such by the caller."""
-    fs = _libc.syscall("fsopen", _SYS_FSOPEN, ctypes.c_char_p(b"overlay"), _FSOPEN_CLOEXEC)
+    fs = libc.syscall("fsopen", _SYS_FSOPEN, ctypes.c_char_p(b"overlay"), _FSOPEN_CLOEXEC)
     try:
         _fsconfig(fs, "source", "sandbx-image")
         for lower in lowers:
@@ -140,15 +140,15 @@ def _mount_many(lowers: list[str], rest: str, root: str, *, read_only: bool) -> 
             _fsconfig(fs, key, value if value else None)
         if read_only:
             _fsconfig(fs, "ro", None)
-        _libc.syscall("fsconfig create", _SYS_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
+        libc.syscall("fsconfig create", _SYS_FSCONFIG, fs, _FSCONFIG_CMD_CREATE, None, None, 0)
         attributes = (
             _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | (_MOUNT_ATTR_RDONLY if read_only else 0)
         )
-        mnt = _libc.syscall("fsmount", _SYS_FSMOUNT, fs, _FSMOUNT_CLOEXEC, attributes)
+        mnt = libc.syscall("fsmount", _SYS_FSMOUNT, fs, _FSMOUNT_CLOEXEC, attributes)
     finally:
         os.close(fs)
     try:
-        _libc.syscall(
+        libc.syscall(
             "move_mount",
             _SYS_MOVE_MOUNT,
             mnt,
@@ -164,7 +164,7 @@ def _mount_many(lowers: list[str], rest: str, root: str, *, read_only: bool) -> 
 def _fsconfig(fs: int, key: str, value: str | None) -> None:
     command = _FSCONFIG_SET_STRING if value is not None else _FSCONFIG_SET_FLAG
     encoded = ctypes.c_char_p(value.encode()) if value is not None else None
-    _libc.syscall(f"fsconfig {key}", _SYS_FSCONFIG, fs, command, ctypes.c_char_p(key.encode()),
+    libc.syscall(f"fsconfig {key}", _SYS_FSCONFIG, fs, command, ctypes.c_char_p(key.encode()),
                   encoded, 0)  # fmt: skip
 
 
@@ -181,17 +181,17 @@ def enter(root: str, layer_dir: str, *, network: bool) -> None:
     hostname = hostname_of(layer_dir)
     files = _write_files(os.path.join(layer_dir, "run"), hostname, network=network)
     # MS_REC keeps what workers.sandbox mounted beneath them: the kernel files read-only.
-    _libc.mount("/proc", os.path.join(root, "proc"), None, _libc.MS_BIND | _libc.MS_REC, None)
-    _libc.mount("/sys", os.path.join(root, "sys"), None, _libc.MS_BIND | _libc.MS_REC, None)
-    _libc.set_read_only(os.path.join(root, "sys"), recursive=True)
+    libc.mount("/proc", os.path.join(root, "proc"), None, libc.MS_BIND | libc.MS_REC, None)
+    libc.mount("/sys", os.path.join(root, "sys"), None, libc.MS_BIND | libc.MS_REC, None)
+    libc.set_read_only(os.path.join(root, "sys"), recursive=True)
     view.make_dev(os.path.join(root, "dev"))
     for name, source in files.items():
-        _libc.mount(source, os.path.join(root, "etc", name), None, _libc.MS_BIND, None)
-    if _libc.try_unshare(_libc.CLONE_NEWUTS) == 0:
-        _libc.sethostname(hostname)
+        libc.mount(source, os.path.join(root, "etc", name), None, libc.MS_BIND, None)
+    if libc.try_unshare(libc.CLONE_NEWUTS) == 0:
+        libc.sethostname(hostname)
     os.chdir(root)
-    _libc.pivot_root(".", ".")  # the old root is now stacked on the new one...
-    _libc.umount(".", _libc.MNT_DETACH)  # ...and gone from the namespace
+    libc.pivot_root(".", ".")  # the old root is now stacked on the new one...
+    libc.umount(".", libc.MNT_DETACH)  # ...and gone from the namespace
     os.chdir("/")
 
 
@@ -218,8 +218,8 @@ def _check_mount_points(root: str) -> None:
 def _write_files(run: str, hostname: str, *, network: bool) -> dict[str, str]:
     """/etc/hosts, /etc/hostname and /etc/resolv.conf as a container runtime gives them, on a
     tmpfs of this call's at the layer's ``run`` (gone with the namespace)."""
-    flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
-    _libc.mount("sandbx-etc", run, "tmpfs", flags, "size=64k,mode=0755")
+    flags = libc.MS_NOSUID | libc.MS_NODEV | libc.MS_NOEXEC
+    libc.mount("sandbx-etc", run, "tmpfs", flags, "size=64k,mode=0755")
     resolv = b""
     if network:
         # The host's as it is: a call with a network shares the host's (or reaches out through
@@ -258,7 +258,7 @@ def become(inner_uid: int, inner_gid: int) -> None:
     uid, gid = os.geteuid(), os.getegid()
     if uid == 0:
         return
-    _libc.unshare(_libc.CLONE_NEWUSER, what="unshare(CLONE_NEWUSER)")
+    libc.unshare(libc.CLONE_NEWUSER, what="unshare(CLONE_NEWUSER)")
     maps = (
         ("setgroups", "deny"),
         ("uid_map", f"{inner_uid} {uid} 1"),

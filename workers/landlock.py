@@ -30,7 +30,7 @@ import functools
 import os
 import stat
 
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 # The generic syscall numbers: the same on every architecture since Linux 5.13.
 _SYS_CREATE_RULESET = 444
@@ -91,7 +91,7 @@ class _PathBeneathAttr(ctypes.Structure):
 def abi_version() -> int:
     """The kernel's Landlock ABI version; 0 when Landlock is absent or disabled at boot."""
     try:
-        return _libc.syscall(
+        return libc.syscall(
             "landlock_create_ruleset", _SYS_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION
         )
     except OSError:  # ENOSYS (not built in) or EOPNOTSUPP (not enabled in lsm=)
@@ -157,7 +157,7 @@ class Ruleset:
         attr = _RulesetAttr(self.handled_fs, self.handled_net, self.scoped)
         # The size tells the kernel which fields we know; older kernels refuse a larger one.
         size = 24 if has_scoping(self.abi) else 16 if has_net_rules(self.abi) else 8
-        self.fd = _libc.syscall(
+        self.fd = libc.syscall(
             "landlock_create_ruleset", _SYS_CREATE_RULESET, ctypes.byref(attr), size, 0
         )
 
@@ -195,7 +195,7 @@ class Ruleset:
             rights = beneath.rights & self.handled_fs
             if rights:
                 attr.allowed_access, attr.parent_fd = rights, beneath.fd
-                _libc.syscall("landlock_add_rule", _SYS_ADD_RULE, *args, 0)
+                libc.syscall("landlock_add_rule", _SYS_ADD_RULE, *args, 0)
 
     def restrict_self(self) -> None:
         """Enforce the ruleset on the calling thread and what it starts from now on.
@@ -204,7 +204,7 @@ class Ruleset:
         already exist keep their access, and children are forked from this one.
         """
         try:
-            _libc.syscall("landlock_restrict_self", _SYS_RESTRICT_SELF, self.fd, 0)
+            libc.syscall("landlock_restrict_self", _SYS_RESTRICT_SELF, self.fd, 0)
         finally:
             self.close()
 

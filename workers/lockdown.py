@@ -33,7 +33,7 @@ import os
 import stat
 from collections.abc import Iterable
 
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 #: Files only root may read, which a capless uid 0 reads anyway: it owns them.
 SECRETS = (
@@ -118,44 +118,44 @@ def _bind_masks(scratch: str, fds: Iterable[int]) -> None:
     # A tmpfs of our own holds the masks: not a host file, which its owner (root: us) could
     # chmod. Bind mounts copy its read-only flag and keep it alive once it is detached from the
     # scratch directory, which then shows what it did before.
-    flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
+    flags = libc.MS_NOSUID | libc.MS_NODEV | libc.MS_NOEXEC
     # Mode 0700, not 000: a root without CAP_DAC_OVERRIDE (a pool started with it dropped)
     # must still create the masks in it; it is detached before anything else runs.
-    _libc.mount("mask", scratch, "tmpfs", flags, "size=4k,mode=700")
+    libc.mount("mask", scratch, "tmpfs", flags, "size=4k,mode=700")
     try:
         os.close(os.open(f"{scratch}/file", os.O_CREAT | os.O_WRONLY, 0))
         os.mkdir(f"{scratch}/dir", 0)
-        _libc.set_read_only(scratch, recursive=False)
+        libc.set_read_only(scratch, recursive=False)
         for fd in fds:
             mask = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
             try:
-                _libc.mount(f"{scratch}/{mask}", f"/proc/self/fd/{fd}", None, _libc.MS_BIND, None)
+                libc.mount(f"{scratch}/{mask}", f"/proc/self/fd/{fd}", None, libc.MS_BIND, None)
             except FileNotFoundError:
                 # Removed since it was opened (the pool's journal, which its writer re-creates
                 # under its own lock): nothing is left there to cover.
                 continue
     finally:
-        _libc.umount(scratch, _libc.MNT_DETACH)
+        libc.umount(scratch, libc.MNT_DETACH)
 
 
 def read_only_kernel_files() -> None:
     """Make each READ_ONLY path, and every mount beneath it (binfmt_misc, cgroups), read-only."""
     for path in READ_ONLY:
         if os.path.exists(path):
-            _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)
-            _libc.set_read_only(path, recursive=True)
+            libc.mount(path, path, None, libc.MS_BIND | libc.MS_REC, None)
+            libc.set_read_only(path, recursive=True)
 
 
 def private_dev_shm() -> None:
     if os.path.isdir("/dev/shm"):
-        flags = _libc.MS_NOSUID | _libc.MS_NODEV
-        _libc.mount("shm", "/dev/shm", "tmpfs", flags, "mode=1777,size=64m")
+        flags = libc.MS_NOSUID | libc.MS_NODEV
+        libc.mount("shm", "/dev/shm", "tmpfs", flags, "mode=1777,size=64m")
 
 
 def new_ipc_namespace() -> None:
     """SysV shm, semaphores, message queues and POSIX mqueues of our own: a capless uid 0 owns,
     so may attach, every 0600 segment root made on the host."""
-    _libc.unshare(_libc.CLONE_NEWIPC, what="unshare(CLONE_NEWIPC)")
+    libc.unshare(libc.CLONE_NEWIPC, what="unshare(CLONE_NEWIPC)")
 
 
 #: What ``keep_root`` leaves bash: Docker's default set without MKNOD and NET_RAW (no device
@@ -175,7 +175,7 @@ def shrink_bounding_set(
     for cap in range(last_cap + 1) if held is None else held:
         if cap in keep:
             continue
-        code = _libc.try_prctl(_libc.PR_CAPBSET_DROP, cap)
+        code = libc.try_prctl(libc.PR_CAPBSET_DROP, cap)
         if code == errno.EPERM:  # no CAP_SETPCAP, so not root: nothing to drop
             return
         if code not in (0, errno.EINVAL):  # EINVAL: a capability this kernel lacks
@@ -187,7 +187,7 @@ def narrow_bounding_set(last_cap: int) -> frozenset[int] | None:
     (all but CONTAINER_CAPS). The bounding set bounds only what an exec grants, never what the
     worker holds, so the confinement's steps still have every capability they need. Returns
     what is left, for ``lock_out_root``; None where nothing could be dropped (not root)."""
-    if not _libc.capget()[0] >> _CAP_SETPCAP & 1:
+    if not libc.capget()[0] >> _CAP_SETPCAP & 1:
         return None
     try:
         shrink_bounding_set(last_cap, CONTAINER_CAPS)
@@ -201,10 +201,10 @@ def lock_out_root(last_cap: int, *, held: Iterable[int] | None = None) -> None:
     locked securebits (exec as uid 0 grants none, a uid change restores none). Needs
     CAP_SETPCAP: without it (a pool not run as root) there is nothing to lock out. ``held``:
     what is left in the bounding set, when known (``narrow_bounding_set``)."""
-    if not _libc.capget()[0] >> _CAP_SETPCAP & 1:
+    if not libc.capget()[0] >> _CAP_SETPCAP & 1:
         return
-    if _libc.prctl_get(_libc.PR_GET_SECUREBITS) != _SECUREBITS:
-        _libc.prctl(_libc.PR_SET_SECUREBITS, _SECUREBITS, what="prctl(PR_SET_SECUREBITS)")
+    if libc.prctl_get(libc.PR_GET_SECUREBITS) != _SECUREBITS:
+        libc.prctl(libc.PR_SET_SECUREBITS, _SECUREBITS, what="prctl(PR_SET_SECUREBITS)")
     shrink_bounding_set(last_cap, frozenset(), held=held)
 
 
@@ -212,7 +212,7 @@ def bounding_set(last_cap: int) -> int:
     """The capabilities this process's bounding set still holds, as a mask (CapBnd)."""
     held = 0
     for cap in range(last_cap + 1):
-        if _libc.prctl_get(_libc.PR_CAPBSET_READ, cap):
+        if libc.prctl_get(libc.PR_CAPBSET_READ, cap):
             held |= 1 << cap
     return held
 
@@ -232,8 +232,8 @@ def keep_only(keep: frozenset[int]) -> None:
     """Empty the ambient and inheritable sets, and the effective and permitted ones but for
     what of ``keep`` this process holds (a uid switch may have cleared it already); check that
     nothing else is left."""
-    _libc.prctl(_libc.PR_CAP_AMBIENT, _libc.PR_CAP_AMBIENT_CLEAR_ALL, what="prctl(PR_CAP_AMBIENT)")
-    kept = _libc.capget()[1] & sum(1 << cap for cap in keep)
-    _libc.capset(kept)
-    if _libc.capget() != (kept, kept, 0):
+    libc.prctl(libc.PR_CAP_AMBIENT, libc.PR_CAP_AMBIENT_CLEAR_ALL, what="prctl(PR_CAP_AMBIENT)")
+    kept = libc.capget()[1] & sum(1 << cap for cap in keep)
+    libc.capset(kept)
+    if libc.capget() != (kept, kept, 0):
         raise OSError(errno.EPERM, "capabilities remain after capset")

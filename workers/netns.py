@@ -26,7 +26,7 @@ import struct
 
 import msgspec
 
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 _SIOCGIFFLAGS = 0x8913
 _SIOCSIFFLAGS = 0x8914
@@ -84,7 +84,7 @@ def enter(proxy_socket: str | None, allow: tuple[str, ...], call_id: str) -> Lin
     anything of it cannot be made (the call must then not run: it would not be confined)."""
     if proxy_socket is None:
         raise NetworkUnavailable("the pool's network proxy is not running")
-    error = _libc.try_unshare(_libc.CLONE_NEWNET)
+    error = libc.try_unshare(libc.CLONE_NEWNET)
     if error != 0:
         raise NetworkUnavailable(
             "network = [allow-list] needs a network namespace of the call's own, and unshare"

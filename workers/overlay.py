@@ -7,7 +7,7 @@
     tool: sees the merged view; every byte it writes, every file it removes (a whiteout),
     lands in upperdir, never in the workspace
     after the call: another worker, on the real workspace, scans upperdir and applies it or
-    not (workers.changes; the coordinator decides: sandbx_pool.changes)
+    not (workers.upper_scan; the coordinator decides: sandbx_pool.change_sets)
 
 The upper directory is made by the coordinator beside the journal (``J.d/changes/<call_id>``),
 on the journal's filesystem, not the workspace's: overlayfs refuses an upper directory inside
@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import os
 
-from sandbx_pool.workers import _libc, image_root
+from sandbx_pool.workers import image_root
+from sandbx_pool.workers import libc as _libc
 from sandbx_pool.workers.errors import ToolError
 from sandbx_pool.workers.protocol import ExecutionContext
 

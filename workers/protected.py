@@ -55,7 +55,7 @@ import contextlib
 import os
 from typing import Any
 
-from sandbx_pool.workers import _libc, hooks_path
+from sandbx_pool.workers import hooks_path, libc
 from sandbx_pool.workers.hooks_path import Note
 from sandbx_pool.workers.protected_restore import Restore
 from sandbx_pool.workers.protected_snapshot import DIRECTORY, Budget, Node, take
@@ -121,8 +121,8 @@ def protect(workspace: str, patterns: tuple[str, ...]) -> list[str]:
         if path in covered:
             continue
         try:
-            _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)
-            _libc.set_read_only(path, recursive=True)
+            libc.mount(path, path, None, libc.MS_BIND | libc.MS_REC, None)
+            libc.set_read_only(path, recursive=True)
         except OSError:
             continue
         covered.append(path)
@@ -149,7 +149,7 @@ def _pin(root: str, prefixes: list[tuple[str, ...]]) -> None:
         if os.path.realpath(path) != path or not os.path.isdir(path):
             continue  # a symlink (or nothing): never a mount on what it leads to
         with contextlib.suppress(OSError):
-            _libc.mount(path, path, None, _libc.MS_BIND | _libc.MS_REC, None)
+            libc.mount(path, path, None, libc.MS_BIND | libc.MS_REC, None)
 
 
 # -- the snapshot, and the restore after the call --------------------------------------------

@@ -118,7 +118,7 @@ class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
     #: (workers.overlay), so the call changes only ``upper``. None: the workspace itself.
     changes_dir: str | None = None
     #: Tracked mode: where no overlay can be mounted, list the workspace before and after the
-    #: tool instead (workers.changes.listing) and answer with the difference.
+    #: tool instead (workers.upper_scan.listing) and answer with the difference.
     changes_scan: bool = False
     #: A call in a layer (sandbx_pool.layers): the layer's directory in the pool's layer store,
     #: holding ``upper`` and ``work``. The worker mounts an overlay, lower = ``layer_base``

@@ -3,7 +3,7 @@
 Two questions that the worker's grep (workers.tools.ripgrep) and the coordinator's ``sandbx-pool
 doctor`` both ask. They live here, not in the tool, so that the doctor can ask them without
 importing the tools: ``workers.tools`` loads every tool with it, and the coordinator loads no
-tool it never runs. Imports nothing of the package's but ``_libc``.
+tool it never runs. Imports nothing of the package's but ``libc``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import sys
 import sysconfig
 
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 
 def find_rg(env: dict[str, str]) -> str | None:
@@ -31,7 +31,7 @@ def symlinks_refused(path: str) -> bool:
     """Whether the kernel follows no symlink on the mount holding ``path`` (see workers.sandbox):
     rg walks by path, so grep runs it only there."""
     try:
-        return bool(os.statvfs(path).f_flag & _libc.ST_NOSYMFOLLOW)
+        return bool(os.statvfs(path).f_flag & libc.ST_NOSYMFOLLOW)
     except OSError:
         return False
 

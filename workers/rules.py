@@ -45,7 +45,7 @@ from collections.abc import Iterator
 
 import msgspec
 
-from sandbx_pool.workers import _libc, landlock, lockdown
+from sandbx_pool.workers import landlock, libc, lockdown
 from sandbx_pool.workers.containment import release_standard_streams, set_parent_death_signal
 from sandbx_pool.workers.protocol import ExecutionContext, Sandbox
 
@@ -91,7 +91,7 @@ class Preloaded:
         self.secret_paths: list[str] = []
         #: Whether bash can cover them with mounts: it needs CAP_SYS_ADMIN for a mount
         #: namespace. Where it cannot (a container's root), the file tools take the layer too.
-        self.can_mask = bool(_libc.capget()[0] >> _CAP_SYS_ADMIN & 1)
+        self.can_mask = bool(libc.capget()[0] >> _CAP_SYS_ADMIN & 1)
         self._layer: SecretsLayer | None = None
         if os.geteuid() == 0 and landlock.abi_version() > 0:
             self.secrets = secret_tree(lockdown.masks())

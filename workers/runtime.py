@@ -33,7 +33,6 @@ import msgspec
 
 from sandbx_pool.workers import (
     cgroups,
-    changes,
     containment,
     memory_cgroup,
     overlay,
@@ -43,6 +42,7 @@ from sandbx_pool.workers import (
     usage,
     zmtp,
 )
+from sandbx_pool.workers import upper_scan as changes
 from sandbx_pool.workers.errors import LimitExceeded, ToolError
 from sandbx_pool.workers.protocol import (
     CHANGES_LISTED,

@@ -63,7 +63,6 @@ import os
 import msgspec
 
 from sandbx_pool.workers import (
-    _libc,
     image_root,
     image_user,
     landlock,
@@ -74,6 +73,9 @@ from sandbx_pool.workers import (
     seccomp,
     users,
     view,
+)
+from sandbx_pool.workers import (
+    libc as _libc,
 )
 from sandbx_pool.workers.containment import in_own_pid_namespace, in_own_user_namespace
 from sandbx_pool.workers.errors import Denied, ToolError

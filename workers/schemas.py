@@ -279,7 +279,7 @@ class CheckWorkspaceArgs(ToolArgs):
 
 class ApplyChangesArgs(ToolArgs):
     """Internal: scan a call's overlay upper directory and, with ``apply``, apply it to the
-    workspace (workers.tools.changes). ``taken``: paths other calls applied since this call
+    workspace (workers.tools.change_actions). ``taken``: paths other calls applied since this call
     started, each with that call's id (a conflict)."""
 
     call_id: str
@@ -288,7 +288,7 @@ class ApplyChangesArgs(ToolArgs):
     objects: str
     apply: bool
     taken: dict[str, str] = {}
-    #: Where the change list is written (J.d), out of band: workers.tools.changes says why.
+    #: Where the change list is written (J.d), out of band: workers.tools.change_actions says why.
     report: str = ""
     #: [workspace] max_change_paths and max_change_bytes (None: unbounded).
     max_paths: int | None = None

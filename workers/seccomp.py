@@ -55,7 +55,7 @@ import functools
 import platform
 from typing import NamedTuple
 
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 _LD_W_ABS, _JEQ_K, _JSET_K, _RET_K = 0x20, 0x15, 0x45, 0x06  # classic BPF opcodes
 _RET_KILL_PROCESS, _RET_ALLOW, _RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
@@ -144,8 +144,8 @@ _RULES = [
     _Rule("pidfd_getfd", EPERM),
     _Rule("kcmp", EPERM),
     *[_Rule(name, EPERM) for name in ("keyctl", "add_key", "request_key")],
-    _Rule("unshare", EPERM, (("any", 0, _libc.CLONE_NEWUSER),)),
-    _Rule("clone", EPERM, (("any", 0, _libc.CLONE_NEWUSER),)),  # flags: argument 0 on both
+    _Rule("unshare", EPERM, (("any", 0, libc.CLONE_NEWUSER),)),
+    _Rule("clone", EPERM, (("any", 0, libc.CLONE_NEWUSER),)),  # flags: argument 0 on both
     _Rule("clone3", ENOSYS),
     _Rule("setns", EPERM),
     _Rule("openat2", ENOSYS),
@@ -306,6 +306,6 @@ def install(*, offline: bool = False, shared_ipc: bool = False) -> None:
     if arch not in _AUDIT_ARCH:
         raise OSError(errno.ENOSYS, f"no seccomp filter for {arch}")
     fprog = ctypes.byref(_fprog(arch, offline, shared_ipc)[0])
-    _libc.syscall(
+    libc.syscall(
         "seccomp", _SYS_SECCOMP[arch], _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, fprog
     )

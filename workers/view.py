@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc as _libc
 
 #: The host's directories a view shows, read-only: programs, libraries, configuration.
 SYSTEM = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")

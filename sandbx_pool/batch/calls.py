@@ -12,7 +12,7 @@ config's ``calls.timeout_s``; ``cwd`` to the workspace root. ``workspace`` names
 the run's workspace root (``--workspace``) that the call is confined to instead of the root; on
 a Ray cluster all calls of one workspace run on one node. ``meta`` is anything the file's
 author wants to keep with the line (an episode, a step); the runner ignores it. ``changes`` is
-the call's change mode (``direct``, ``tracked``, ``transactional``: sandbx_pool.changes; default
+the call's change mode (``direct``, ``tracked``, ``transactional``: sandbx_pool.change_sets; default
 ``run --changes``, else the config's); it is not part of a derived id. ``network`` is the
 call's network (``true``, ``false`` or a list of host patterns: ``Pool.call``'s ``network``,
 replacing the config's ``[sandbox] network``), not part of a derived id either. Any other key is

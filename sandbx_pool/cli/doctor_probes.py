@@ -21,9 +21,9 @@ from typing import Any
 
 from sandbx_pool.interpreter import CHILD_CWD, python_command
 from sandbx_pool.workers import (
-    _libc,
     containment,
     landlock,
+    libc,
     lockdown,
     overlay,
     rules,
@@ -39,7 +39,7 @@ DIRECT, ENTERED, REFUSED, OFF, ROOT = "direct", "entered", "refused", "off", "ro
 def _enter_user_namespace() -> tuple[str, str]:
     """Enter a user namespace as a worker's is made, and map our ids; REFUSED and why if not."""
     namespaces = containment.UserNamespaces()
-    code = _libc.try_unshare(_libc.CLONE_NEWUSER)
+    code = libc.try_unshare(libc.CLONE_NEWUSER)
     if code == errno.ENOSPC:
         return REFUSED, "the kernel refuses them (user.max_user_namespaces = 0)"
     if code != 0:
@@ -51,7 +51,7 @@ def _enter_user_namespace() -> tuple[str, str]:
         namespaces.enter_child()
     except OSError as exc:
         return REFUSED, f"one is made but its ids cannot be mapped ({exc.strerror})"
-    if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
+    if libc.try_unshare(libc.CLONE_NEWNS) != 0:
         # Ubuntu 24.04: made, ids mapped, and no capability in it (AppArmor).
         return REFUSED, (
             "one is made, but holds no capability (Ubuntu's"
@@ -65,7 +65,7 @@ def _child_probes(*, user_namespaces: bool = True) -> dict[str, Any]:
     found: dict[str, Any] = {}
     # First, while /etc/shadow is as a worker without a mount namespace would find it.
     found["secrets_left_out"] = _secrets_layer_probe()
-    found["pid_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWPID) == 0
+    found["pid_namespaces"] = libc.try_unshare(libc.CLONE_NEWPID) == 0
     found["user_namespaces"], found["user_namespaces_why"] = DIRECT, ""
     if not found["pid_namespaces"]:
         if os.geteuid() == 0:  # workers.containment.probe_user_namespaces says why
@@ -75,20 +75,20 @@ def _child_probes(*, user_namespaces: bool = True) -> dict[str, Any]:
         else:
             found["user_namespaces"], found["user_namespaces_why"] = _enter_user_namespace()
         if found["user_namespaces"] == ENTERED:
-            found["pid_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWPID) == 0
-    mount_ns = _libc.try_unshare(_libc.CLONE_NEWNS) == 0
+            found["pid_namespaces"] = libc.try_unshare(libc.CLONE_NEWPID) == 0
+    mount_ns = libc.try_unshare(libc.CLONE_NEWNS) == 0
     # The recursive slave mount is the step the worker cannot do without (see sandbox.py).
     try:
         if mount_ns:
-            _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
+            libc.mount("none", "/", None, libc.MS_REC | libc.MS_SLAVE, None)
         found["mount_namespaces"] = mount_ns
     except OSError:
         found["mount_namespaces"] = False
-    found["network_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWNET) == 0
-    found["ipc_namespaces"] = _libc.try_unshare(_libc.CLONE_NEWIPC) == 0
+    found["network_namespaces"] = libc.try_unshare(libc.CLONE_NEWNET) == 0
+    found["ipc_namespaces"] = libc.try_unshare(libc.CLONE_NEWIPC) == 0
     if found["mount_namespaces"]:
         found.update(_mount_probes())
-    found["no_new_privs"] = _libc.try_prctl(_libc.PR_SET_NO_NEW_PRIVS, 1) == 0
+    found["no_new_privs"] = libc.try_prctl(libc.PR_SET_NO_NEW_PRIVS, 1) == 0
     try:
         with open("/proc/sys/kernel/cap_last_cap") as f:
             last_cap = int(f.read())
@@ -97,9 +97,9 @@ def _child_probes(*, user_namespaces: bool = True) -> dict[str, Any]:
         # What a command would hold: no capability, none it could gain (the bounding set), and
         # for uid 0 the securebits that keep exec from granting them back.
         found["root_locked_out"] = (
-            not any(_libc.capget())
+            not any(libc.capget())
             and lockdown.bounding_set(last_cap) == 0
-            and (os.geteuid() != 0 or _libc.prctl_get(_libc.PR_GET_SECUREBITS) != 0)
+            and (os.geteuid() != 0 or libc.prctl_get(libc.PR_GET_SECUREBITS) != 0)
         )
     except OSError:
         found["root_locked_out"] = False
@@ -107,12 +107,12 @@ def _child_probes(*, user_namespaces: bool = True) -> dict[str, Any]:
     if seccomp.supported() and found["no_new_privs"]:
         seccomp.install(offline=True, shared_ipc=True)
         # keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_USER_KEYRING): the filter must refuse it.
-        found["seccomp"] = _libc.try_syscall(seccomp.number("keyctl"), 0, -4, 0) == errno.EPERM
-        vsock = _libc.try_syscall(seccomp.number("socket"), seccomp.AF_VSOCK, 1, 0)
-        uevent = _libc.try_syscall(seccomp.number("socket"), seccomp.AF_NETLINK, 2, 15)
+        found["seccomp"] = libc.try_syscall(seccomp.number("keyctl"), 0, -4, 0) == errno.EPERM
+        vsock = libc.try_syscall(seccomp.number("socket"), seccomp.AF_VSOCK, 1, 0)
+        uevent = libc.try_syscall(seccomp.number("socket"), seccomp.AF_NETLINK, 2, 15)
         found["seccomp_sockets"] = vsock == uevent == errno.EPERM
         # shmget(IPC_PRIVATE, 4096, IPC_CREAT | 0600): refused before it reaches the kernel.
-        ipc = _libc.try_syscall(seccomp.number("shmget"), 0, 4096, 0o1600)
+        ipc = libc.try_syscall(seccomp.number("shmget"), 0, 4096, 0o1600)
         found["seccomp_ipc"] = ipc == errno.EPERM
     found["landlock_enforced"] = False
     if landlock.abi_version() > 0 and found["no_new_privs"]:
@@ -137,7 +137,7 @@ def _secrets_layer_probe() -> bool | None:
     if pid == 0:
         answer = b"0"
         try:
-            _libc.prctl(_libc.PR_SET_NO_NEW_PRIVS, 1)
+            libc.prctl(libc.PR_SET_NO_NEW_PRIVS, 1)
             with open("/etc/shadow", "rb"):
                 pass  # readable without the layer: root
             rules.SecretsLayer.build(rules.secret_tree(lockdown.masks())).ruleset.restrict_self()
@@ -176,23 +176,23 @@ def _mount_probes() -> dict[str, bool]:
     except OSError:
         found["secrets_masked"] = False
     try:
-        _libc.mount("sandbx-tmp", scratch, "tmpfs", _libc.MS_NOSUID, "size=1m")
-        _libc.set_read_only(scratch, recursive=True)
+        libc.mount("sandbx-tmp", scratch, "tmpfs", libc.MS_NOSUID, "size=1m")
+        libc.set_read_only(scratch, recursive=True)
         found["private_tmpdir"] = found["read_only_binds"] = True
     except OSError:
         found["private_tmpdir"] = found["read_only_binds"] = False
     with contextlib.suppress(OSError):
-        _libc.umount(scratch, _libc.MNT_DETACH)
+        libc.umount(scratch, libc.MNT_DETACH)
     # grep's rg walks by path: it runs only on a bind of the workspace that follows no
     # symlink (workers.sandbox._follow_no_symlinks), made and checked here the same way.
     try:
-        _libc.mount(scratch, scratch, None, _libc.MS_BIND | _libc.MS_REC, None)
-        _libc.set_no_symlinks(scratch)
+        libc.mount(scratch, scratch, None, libc.MS_BIND | libc.MS_REC, None)
+        libc.set_no_symlinks(scratch)
         found["symlinks_refused"] = symlinks_refused(scratch)
     except OSError:
         found["symlinks_refused"] = False
     with contextlib.suppress(OSError):
-        _libc.umount(scratch, _libc.MNT_DETACH)
+        libc.umount(scratch, libc.MNT_DETACH)
     found["overlay"] = _overlay_probe(scratch)
     os.rmdir(scratch)
     return found
@@ -207,12 +207,12 @@ def _overlay_probe(scratch: str) -> bool:
     lower, upper, work = layers
     options = f"lowerdir={lower},upperdir={upper},workdir={work},{overlay.OPTIONS}"
     try:
-        _libc.mount("sandbx-changes", lower, "overlay", 0, options)
+        libc.mount("sandbx-changes", lower, "overlay", 0, options)
         mounted = True
     except OSError:
         mounted = False
     with contextlib.suppress(OSError):
-        _libc.umount(lower, _libc.MNT_DETACH)
+        libc.umount(lower, libc.MNT_DETACH)
     for layer in reversed(layers):
         with contextlib.suppress(OSError):
             for name in os.listdir(layer):  # the work dir's own "work"

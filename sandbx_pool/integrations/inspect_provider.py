@@ -134,7 +134,7 @@ class SandbxConfig(BaseModel):
     journal: str | None = None  # the task's journal (None: a fresh one, logged)
     workers: int | None = None  # parallel calls at most (None: the pool's default)
     pool_config: str | None = None  # a sandbx-pool TOML file: env, limits, gate, sandbox
-    #: What the samples' calls may do to their files (sandbx_pool.changes): "transactional"
+    #: What the samples' calls may do to their files (sandbx_pool.change_sets): "transactional"
     #: keeps a timed-out or failed exec's writes out of the sample (None: the pool config's).
     changes: Literal["direct", "tracked", "transactional"] | None = None
     #: A directory every sample starts from (a repository at its commit): each sample's

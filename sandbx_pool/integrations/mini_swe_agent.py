@@ -85,7 +85,7 @@ class SandbxEnvironmentConfig(BaseModel):
     workers: int | None = None  # parallel commands at most
     journal: str | None = None  # the journal of every command (None: a fresh one, logged)
     pool_config: str | None = None  # a sandbx-pool TOML file (gate, limits, sandbox...)
-    #: direct, tracked or transactional (sandbx_pool.changes; None: the pool config's):
+    #: direct, tracked or transactional (sandbx_pool.change_sets; None: the pool config's):
     #: "transactional" keeps a timed-out or killed command's writes out of the workspace.
     changes: str | None = None
     #: A shell session (sandbx_pool.sessions): each command starts where the previous one

@@ -20,7 +20,7 @@ from sandbx_pool.logs import logger
 
 JOURNAL_SUFFIX = ".jsonl"
 LOCK_SUFFIX = ".lock"
-#: The directory of a journal's change sets (sandbx_pool.changes.store_dir).
+#: The directory of a journal's change sets (sandbx_pool.change_sets.store_dir).
 CHANGES_SUFFIX = ".d"
 
 
@@ -75,7 +75,7 @@ def _remove_unless_locked(path: str) -> bool:
             pass
         except OSError:
             return False
-        # Its calls' change sets and pre-images (sandbx_pool.changes) go with it: kept for
+        # Its calls' change sets and pre-images (sandbx_pool.change_sets) go with it: kept for
         # inspection and undo as long as the journal that names them.
         shutil.rmtree(path + CHANGES_SUFFIX, ignore_errors=True)
         # Under our lock, so no coordinator is between opening the lock file and locking it.

@@ -13,7 +13,7 @@ Two questions are asked of a journal's calls, and kept apart by name:
   these, ``journal stats`` counts them and ``run --resume`` skips them (``--rerun-started``
   runs them). A call stopped before it started is not in doubt (it provably did not run), nor
   is a call of a tool that may simply run again (read, ls, grep, find, write), nor a
-  transactional call (sandbx_pool.changes) whose change set was never applied: no
+  transactional call (sandbx_pool.change_sets) whose change set was never applied: no
   ``applying`` record follows its latest intent, so the workspace is as it was before it.
 * **interrupted** (``interrupted``): every intent, of any tool, that has no later outcome of
   its call id: what was in flight when a coordinator died. The pool reports these at open
@@ -321,7 +321,7 @@ def unfinished_applies(scan: JournalScan) -> list[ApplyingRecord]:
     """Change sets whose apply began (an ``applying`` record) and whose call has no later
     outcome but a shutdown's without ``changes``: a coordinator died while it applied them, or
     close() gave up on the call mid-apply. The next coordinator finishes them
-    (sandbx_pool.changes). An apply that failed has an outcome saying so, and is not retried."""
+    (sandbx_pool.change_sets). An apply that failed has an outcome saying so, and is not retried."""
     pending: dict[str, ApplyingRecord] = {}
     for record in scan.records:
         if isinstance(record, ApplyingRecord):

@@ -89,7 +89,7 @@ class IntentRecord(Record, tag="intent", frozen=True, kw_only=True):
     #: The pool's workspace, which ``cwd`` is relative to (absent in journals written before
     #: it was recorded).
     workspace: str | None = None
-    #: The call's change mode (sandbx_pool.changes); absent: direct.
+    #: The call's change mode (sandbx_pool.change_sets); absent: direct.
     changes: str | None = None
     #: The layer the call ran in (sandbx_pool.layers; ``workspace`` is its root); absent: none.
     layer: str | None = None
@@ -179,7 +179,7 @@ class InDoubtRecord(Record, tag="in_doubt", frozen=True, kw_only=True):
 
 
 class ApplyingRecord(Record, tag="applying", frozen=True, kw_only=True):
-    """A call's change set is about to be applied to the workspace (sandbx_pool.changes):
+    """A call's change set is about to be applied to the workspace (sandbx_pool.change_sets):
     durable before the first path is touched. Without a later outcome, the apply may be half
     done; the next coordinator finishes it. ``status``: the call's, as it ended."""
 

@@ -30,7 +30,7 @@ import time
 from typing import Final
 
 from sandbx_pool.logs import logger
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 #: How often placing the copy retries when the name keeps changing meanwhile (emptied between
 #: the two renames, or filled), and how many ``.replaced-`` names it tries.
@@ -91,12 +91,12 @@ def _copy(source: int, target: int, size: int) -> None:
 def _place(dir_fd: int, temp: str, name: str) -> str | None:
     for _ in range(PLACE_TRIES):
         try:
-            _libc.renameat2(dir_fd, temp, name, _libc.RENAME_NOREPLACE)
+            libc.renameat2(dir_fd, temp, name, libc.RENAME_NOREPLACE)
             return None
         except FileExistsError:
             pass
         try:
-            _libc.renameat2(dir_fd, temp, name, _libc.RENAME_EXCHANGE)
+            libc.renameat2(dir_fd, temp, name, libc.RENAME_EXCHANGE)
         except FileNotFoundError:  # emptied since: take it as empty
             continue
         # Ours is in place: from here on nothing may fail the put-back, or the caller would
@@ -110,7 +110,7 @@ def _keep_aside(dir_fd: int, temp: str, name: str) -> str:
     for attempt in range(PLACE_TRIES):
         aside = f"{name}.replaced-{stamp}" + (f"-{attempt}" if attempt else "")
         try:
-            _libc.renameat2(dir_fd, temp, aside, _libc.RENAME_NOREPLACE)
+            libc.renameat2(dir_fd, temp, aside, libc.RENAME_NOREPLACE)
         except FileExistsError:
             continue
         except OSError as exc:

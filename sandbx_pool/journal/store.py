@@ -78,7 +78,7 @@ class Journal:
     ) -> None:
         self.path = path
         #: Change sets a previous coordinator began to apply and gave no outcome
-        #: (sandbx_pool.changes finishes them): their calls' outcomes are still to come.
+        #: (sandbx_pool.change_sets finishes them): their calls' outcomes are still to come.
         self.unfinished_applies = list(unfinished_applies or [])
         self._settings = settings
         self._policy = settings.policy

@@ -74,7 +74,7 @@ from sandbx_pool.journal.records import (
     encoder,
 )
 from sandbx_pool.logs import logger
-from sandbx_pool.workers import _libc
+from sandbx_pool.workers import libc
 
 #: Most entries the writer takes into one batch. Bounds how long the first waiter of a burst
 #: waits for its fsync while the thread encodes the rest.
@@ -343,8 +343,8 @@ class JournalWriter:
         """Keep RESERVE_BYTES allocated past the end, topped up once half of it is used."""
         if self._size + RESERVE_BYTES // 2 < self._reserved_to:
             return
-        mode = _libc.FALLOC_FL_KEEP_SIZE
-        code = _libc.try_fallocate(self._fd, mode, self._size, RESERVE_BYTES)
+        mode = libc.FALLOC_FL_KEEP_SIZE
+        code = libc.try_fallocate(self._fd, mode, self._size, RESERVE_BYTES)
         if code == 0:
             self._reserved_to = self._size + RESERVE_BYTES
         elif self._reserved_to == 0 and code not in (errno.EOPNOTSUPP, errno.ENOSYS):

@@ -12,7 +12,7 @@ from typing import Any
 
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.tools.bash import run_bash
-from sandbx_pool.workers.tools.changes import apply_changes, undo_changes
+from sandbx_pool.workers.tools.change_actions import apply_changes, undo_changes
 from sandbx_pool.workers.tools.files import edit_file, list_directory, read_file, write_file
 from sandbx_pool.workers.tools.find import find_paths
 from sandbx_pool.workers.tools.grep import grep_files

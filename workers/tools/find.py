@@ -58,9 +58,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from sandbx_pool.workers._libc import filesystem_type
 from sandbx_pool.workers.errors import ToolError
 from sandbx_pool.workers.globs import compile_glob, descent, name_glob
+from sandbx_pool.workers.libc import filesystem_type
 from sandbx_pool.workers.paths import DIRECTORY_FLAGS, resolve
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import FindArgs

@@ -4,7 +4,7 @@ _layer_open   run in the new layer, mounted (workers.overlay.enter_layer, with t
               resolved): the probe that it mounts here, and the base's real path, which
               the layer records
 _layer_diff   run confined to the base, the layer's upper directory readable besides:
-              the upper directory scanned against the base (workers.changes.scan, the
+              the upper directory scanned against the base (workers.upper_scan.scan, the
               change sets' own scan), listed as an outcome's ``changes`` are
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sandbx_pool.workers import changes
+from sandbx_pool.workers import upper_scan
 from sandbx_pool.workers.protocol import ExecutionContext
 from sandbx_pool.workers.schemas import LayerDiffArgs, LayerOpenArgs
 
@@ -29,8 +29,8 @@ def diff_layer(args: LayerDiffArgs, ctx: ExecutionContext) -> dict[str, Any]:
     """What the layer's upper directory changes of its base (the call's workspace). Not
     applied: nothing of it is ever in the base."""
     # Over an image: the workspace is the image alone, mounted read-only for this scan.
-    found = changes.scan(args.upper, os.path.realpath(ctx.workspace))
-    return {"changes": changes.listed(found, False)}
+    found = upper_scan.scan(args.upper, os.path.realpath(ctx.workspace))
+    return {"changes": upper_scan.listed(found, False)}
 
 
 __all__ = ["diff_layer", "open_layer"]

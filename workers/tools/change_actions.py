@@ -1,4 +1,4 @@
-"""The coordinator's own actions on a call's change set (sandbx_pool.changes decides them).
+"""The coordinator's own actions on a call's change set (sandbx_pool.change_sets decides them).
 
 Run by a worker confined like the file tools to the call's workspace, with the journal's
 directory (``J.d``) writable besides and root's secrets left out by Landlock whatever mounts
@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from sandbx_pool.workers import change_images, changes, paths
+from sandbx_pool.workers import change_images, paths, upper_scan
 from sandbx_pool.workers.beneath import Beneath, Swapped
 from sandbx_pool.workers.protocol import ChangeReport as Report
 from sandbx_pool.workers.protocol import ExecutionContext
@@ -31,7 +31,7 @@ def _write_report(path: str, report: Report) -> None:
     os.rename(temp, path)
 
 
-def _protected(ctx: ExecutionContext, found: list[changes.Change], root: str) -> list[str]:
+def _protected(ctx: ExecutionContext, found: list[upper_scan.Change], root: str) -> list[str]:
     """The paths of ``found`` that no call may change ([sandbox] protected, core.hooksPath
     read now): never applied, never undone, as bash holds them."""
     return [
@@ -48,7 +48,7 @@ def apply_changes(args: ApplyChangesArgs, ctx: ExecutionContext) -> dict[str, An
     crash, it finishes what it began. The change list goes to ``report``."""
     root = paths.real_workspace(ctx.workspace)
     answer: dict[str, Any] = {"applied": False, "report": args.report}
-    images: changes.Images | None = None
+    images: upper_scan.Images | None = None
     if os.path.exists(args.images):
         # A second run: the first scan is the truth.
         images, answer["images_sha256"] = change_images.read_images(args.images)
@@ -56,14 +56,14 @@ def apply_changes(args: ApplyChangesArgs, ctx: ExecutionContext) -> dict[str, An
     else:
         bound = None
         if args.max_paths is not None and args.max_bytes is not None:
-            bound = changes.Bound(args.max_paths, args.max_bytes)
+            bound = upper_scan.Bound(args.max_paths, args.max_bytes)
         try:
-            found = changes.scan(args.upper, root, bound)
-        except changes.TooLarge as exc:
+            found = upper_scan.scan(args.upper, root, bound)
+        except upper_scan.TooLarge as exc:
             _write_report(args.report, Report([]))
             return {**answer, "too_large": str(exc)}
     protected = _protected(ctx, found, root)
-    report = Report(changes.listed(found, False), protected)
+    report = Report(upper_scan.listed(found, False), protected)
     if not args.apply:
         _write_report(args.report, report)
         return answer
@@ -83,7 +83,7 @@ def apply_changes(args: ApplyChangesArgs, ctx: ExecutionContext) -> dict[str, An
                 )
                 answer["images_sha256"] = change_images.write_images(images, args.images)
 
-            def source(path: str, _: changes.Image) -> int:
+            def source(path: str, _: upper_scan.Image) -> int:
                 return upper.read_file(path)
 
             change_images.set_to(images, "post", workspace, source, skip=skip, done=done)
@@ -91,7 +91,7 @@ def apply_changes(args: ApplyChangesArgs, ctx: ExecutionContext) -> dict[str, An
             answer["swapped"] = exc.path
         finally:
             applied = set(done)
-            _write_report(args.report, Report(changes.listed(found, applied), protected))
+            _write_report(args.report, Report(upper_scan.listed(found, applied), protected))
     return {**answer, "applied": bool(done) or "swapped" not in answer}
 
 
@@ -117,16 +117,15 @@ def undo_changes(args: UndoChangesArgs, ctx: ExecutionContext) -> dict[str, Any]
     if missing:
         return {"undone": False, "missing": missing}
     root = paths.real_workspace(ctx.workspace)
-    skip = frozenset(
-        _protected(ctx, [changes.Change(p, "modified", "file", None) for p in images.paths], root)
-    )
+    modified = [upper_scan.Change(p, "modified", "file", None) for p in images.paths]
+    skip = frozenset(_protected(ctx, modified, root))
     done: list[str] = []
     with Beneath(root) as workspace:
         changed = change_images.mismatches(images, workspace, skip)
         if changed:
             return {"undone": False, "changed": changed}
 
-        def source(path: str, image: changes.Image) -> int:
+        def source(path: str, image: upper_scan.Image) -> int:
             assert image.sha256 is not None
             return os.open(os.path.join(args.objects, image.sha256), os.O_RDONLY | os.O_NOFOLLOW)
 

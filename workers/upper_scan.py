@@ -1,6 +1,6 @@
 """A call's change set: what its overlay's upper directory says it did.
 
-Run by a worker on the real workspace (an internal action, workers.tools.changes), never by
+Run by a worker on the real workspace (an internal action, workers.tools.change_actions), never by
 the coordinator, which does not touch the workspace's filesystem:
 
     scan(upper, workspace)     the upper directory against the workspace it lay over:

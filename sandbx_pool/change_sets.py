@@ -6,7 +6,7 @@
     the call's worker: an overlay on the workspace, upper = the call's change set
         (workers.overlay); the tool sees the merged view, the workspace is untouched
     the call ends, whatever its status --> settle(): one more worker, on the real workspace,
-        runs _apply_changes (workers.tools.changes), which scans the upper directory and
+        runs _apply_changes (workers.tools.change_actions), which scans the upper directory and
         tracked:        applies it whatever the status (what direct mode would have left)
         transactional:  applies it only if the status is ok and none of its paths was
                         applied by another call since this one started (else CONFLICT)
