@@ -69,6 +69,7 @@ from sandbx_pool.workers import (
     lockdown,
     netns,
     paths,
+    prepared_mounts,
     protected,
     seccomp,
     users,
@@ -334,6 +335,9 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         if isinstance(exc, Denied):
             raise SandboxError(f"not confined: {exc}") from exc
         raise SandboxError(f"cannot confine the call: {exc}") from exc
+    finally:
+        # A file tool's, or one that did not need them: descriptors the call must not hold.
+        prepared_mounts.drop()
     return Confinement(call, tmpdir, link)
 
 
@@ -467,13 +471,22 @@ def _private_mounts(
     own, of ``tmp_size_mb``: the call sees no other call's TMPDIR (nor they its), cannot fill
     the disk the journal is on, and leaves nothing behind when its namespace goes.
     """
-    if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
-        return False
-    try:
-        # Slave, recursively, first: nothing mounted here may propagate back to the host.
-        _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
-    except OSError:
-        return False  # so we mount nothing at all
+    masks_secrets = not box.keep_root or box.view is not None
+    # The pool's prepared mounts (workers.prepared_mounts), when fresh and they fit: a copy of
+    # its namespace, with root's secrets masked, /sys read-only and /dev/shm private already.
+    handle, prepared_mounts.current = prepared_mounts.current, None
+    prepared = False
+    if handle is not None:
+        prepared = masks_secrets and handle.enter()
+        handle.close()
+    if not prepared:
+        if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
+            return False
+        try:
+            # Slave, recursively, first: nothing mounted here may propagate back to the host.
+            _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
+        except OSError:
+            return False  # so we mount nothing at all
     flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
     if in_own_pid_namespace():
         # Refused in some containers (a masked /proc): the host's /proc it is, then.
@@ -490,12 +503,18 @@ def _private_mounts(
         with contextlib.suppress(OSError):  # the secret and the pid check still hold
             _libc.mount("sandbx-hidden", real, "tmpfs", flags | _libc.MS_RDONLY, "size=4k,mode=000")
     scratch = box.tmp_root if box.tmp_root and os.path.isdir(box.tmp_root) else "/tmp"
-    if not box.keep_root or box.view is not None:
-        lockdown.mask_secrets(scratch, also=hidden_files)
-    elif hidden_files:
-        lockdown.mask(scratch, hidden_files)
-    lockdown.read_only_kernel_files()
-    lockdown.private_dev_shm()
+    if prepared:
+        if hidden_files:
+            lockdown.mask(scratch, hidden_files)
+        # On the call's own /proc, which covers whatever was made on the template's.
+        lockdown.read_only_kernel_files(prepared_mounts.PER_CALL_READ_ONLY)
+    else:
+        if masks_secrets:
+            lockdown.mask_secrets(scratch, also=hidden_files)
+        elif hidden_files:
+            lockdown.mask(scratch, hidden_files)
+        lockdown.read_only_kernel_files()
+        lockdown.private_dev_shm()
     if ctx is None:
         return True  # a view: no TMPDIR (its /tmp is its own), its workspace is its own
     if box.tmp_root is not None and os.path.isdir(box.tmp_root):
