@@ -1,12 +1,13 @@
 """The part of a bash call's mount namespace that is the same for every call: made once, copied.
 
 A call that runs programs gets a mount namespace of its own (workers.sandbox): root's secrets
-and the dangerous device nodes masked, /sys read-only, a private /dev/shm, then what is the
-call's (its /proc, the hidden directories, its TMPDIR's tmpfs, the protected paths). The first
-part is some 25 mounts and half of the confinement's time, the same for every call of a pool.
+and the dangerous device nodes masked, /sys read-only, then what is the call's (its /proc, the
+hidden directories, a private /dev/shm, its TMPDIR's tmpfs, the protected paths). The first part
+is some 25 mounts and half of the mounts' time, the same for every call of a pool, and read-only:
+what every copy shares of it, no call can write (each writable mount is the call's own).
 The template makes it once, in a namespace no process lives in (held by an nsfs descriptor)::
 
-    template: unshare(NEWNS) -> masks, /sys read-only, /dev/shm -> keep its nsfs -> setns back
+    template: unshare(NEWNS) -> masks, /sys read-only -> keep its nsfs -> setns back
     worker:   setns(prepared) -> unshare(NEWNS): a copy of its own -> the call's own mounts
 
 Nothing a call does reaches the prepared namespace or the next call: the worker leaves it at
@@ -143,7 +144,6 @@ def _make(scratch: str) -> int:
         _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
         lockdown.mask_secrets(scratch)
         lockdown.read_only_kernel_files(PREPARED_READ_ONLY)
-        lockdown.private_dev_shm()
     except OSError:
         return -1
     return os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
@@ -231,6 +231,20 @@ class Handle:
 
 #: The worker's handle, set by the template in the forked child (None: build per call).
 current: Handle | None = None
+#: Whether this worker has entered its copy (then it is in it, or in a copy of that).
+entered = False
+
+
+def enter() -> bool:
+    """Enter a copy of the prepared mounts once (see Handle.enter), or say it was earlier.
+
+    A call in a layer or a change set enters before its overlay is mounted (the overlay's own
+    namespace is then a copy of this copy); the other calls when their mounts are made."""
+    global current, entered
+    if not entered and current is not None:
+        handle, current = current, None
+        entered = handle.enter()
+    return entered
 
 
 def drop() -> None:
@@ -241,4 +255,13 @@ def drop() -> None:
         current = None
 
 
-__all__ = ["PER_CALL_READ_ONLY", "Handle", "PreparedMounts", "Refresher", "current", "drop"]
+__all__ = [
+    "PER_CALL_READ_ONLY",
+    "Handle",
+    "PreparedMounts",
+    "Refresher",
+    "current",
+    "drop",
+    "enter",
+    "entered",
+]

@@ -390,6 +390,8 @@ def serve(
             # namespace of its own, where RLIMIT_NPROC counts this call's tasks only. The
             # outcome cannot name the limit then: nothing records a fork it refused.
             containment.limit_processes_in_own_user_namespace(processes)
+        if runs_programs and (call.context.layer_dir or call.context.changes_dir):
+            sandbox.enter_prepared_mounts(call)
         if call.context.layer_dir is not None:
             _enter_layer(call, prepared)
         listed = call.context.changes_dir is not None and not _keep_changes_apart(call, prepared)

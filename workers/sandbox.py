@@ -473,12 +473,8 @@ def _private_mounts(
     """
     masks_secrets = not box.keep_root or box.view is not None
     # The pool's prepared mounts (workers.prepared_mounts), when fresh and they fit: a copy of
-    # its namespace, with root's secrets masked, /sys read-only and /dev/shm private already.
-    handle, prepared_mounts.current = prepared_mounts.current, None
-    prepared = False
-    if handle is not None:
-        prepared = masks_secrets and handle.enter()
-        handle.close()
+    # its namespace, with root's secrets masked and /sys read-only already.
+    prepared = masks_secrets and prepared_mounts.enter()
     if not prepared:
         if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
             return False
@@ -508,6 +504,7 @@ def _private_mounts(
             lockdown.mask(scratch, hidden_files)
         # On the call's own /proc, which covers whatever was made on the template's.
         lockdown.read_only_kernel_files(prepared_mounts.PER_CALL_READ_ONLY)
+        lockdown.private_dev_shm()  # writable: the call's own, never the prepared one's
     else:
         if masks_secrets:
             lockdown.mask_secrets(scratch, also=hidden_files)
@@ -526,6 +523,15 @@ def _private_mounts(
     if no_symlinks:
         _follow_no_symlinks(ctx.workspace)
     return True
+
+
+def enter_prepared_mounts(call: Call) -> None:
+    """Before a layer's or a change set's overlay is mounted, for a call that runs programs:
+    into a copy of the pool's prepared mounts (workers.prepared_mounts), which the overlay's
+    namespace then copies, so that its confinement does not mask root's secrets again."""
+    box = call.context.sandbox
+    if box.view is None and not box.keep_root:
+        prepared_mounts.enter()
 
 
 def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | None) -> None:
