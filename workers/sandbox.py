@@ -35,8 +35,11 @@ kernel's, set up by the worker itself in two stages::
 
     * only for a tool that runs programs (bash): see confine()
 
-The mount namespace is made per call, not while idle: a copy of the mount table taken before
+The mount namespace is entered per call, not while idle: a copy of the mount table taken before
 the call would hide whatever was mounted since (the NFS share, the FUSE mount the call is about).
+What every call's namespace shares (root's secrets masked, /sys read-only) a root pool's template
+prepares once; the call joins a copy of it when it comes, unless the host's mount table or the
+masked directories changed since (workers.prepared_mounts), and makes only its own mounts.
 
 A pool without root makes each worker in a user namespace of its own where the kernel allows
 (workers.containment.UserNamespaces): the worker then holds the capabilities every step needs,
