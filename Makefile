@@ -11,13 +11,29 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast bench soak lint clean
 
+# pip shows what the build backend warns. setuptools' note on every editable install (a folder
+# named like the package may shadow it) is information, and this checkout's folders are the package.
+PIP_INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet \
+	--disable-pip-version-check
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo needs the package and its four dependencies only, not the dev extra (the
+# integrations' SDKs, Ray, mypy: over a gigabyte); once `make test` has installed that, the
+# demo runs from it.
+DEMO_STAMP := $(VENV)/.demo-installed
+
+$(DEMO_STAMP): pyproject.toml
+	@if [ $(STAMP) -nt pyproject.toml ]; then touch $@; exit 0; fi; \
+	echo "make demo: first use: installing sandbx-pool and its dependencies (pyzmq, msgspec," \
+	    "loguru, ripgrep) into $(VENV); about 20 s, a minute or two if pip downloads them"; \
+	$(PYTHON) -m venv --clear $(VENV) && $(PIP_INSTALL) -e . && touch $@
+
+demo: $(DEMO_STAMP)
 	$(BIN)/sandbx-pool demo
 
 # The whole suite, every time (CI runs this); it ends by saying how long it took.

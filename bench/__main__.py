@@ -29,6 +29,7 @@ SECTIONS = (
     "services",
     "trajectory",
     "images",
+    "usage",
 )
 
 
@@ -52,6 +53,7 @@ class Counts:
     percall_per_round: int = 10
     parallel_calls: int = 600  # issue 40's rows, in the throughput section
     trajectory_rounds: int = 5
+    usage_calls: int = 600
 
 
 QUICK = Counts(
@@ -73,6 +75,7 @@ QUICK = Counts(
     percall_per_round=5,
     parallel_calls=160,
     trajectory_rounds=1,
+    usage_calls=100,
 )
 
 
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         streaming,
         throughput,
         trajectory,
+        usage,
     )
     from bench.procs import cpu_snapshot, leftovers, others_share
     from bench.workspace import MARKER, bench_workspace
@@ -197,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.services = services.run(ws, services=counts.services)
                 elif section == "trajectory":
                     result.trajectory = trajectory.run(ws, rounds=counts.trajectory_rounds)
+                elif section == "usage":
+                    result.usage = usage.run(ws, calls=counts.usage_calls)
             except Exception as exc:  # the other sections still get measured and reported
                 logger.exception("section {} failed", section)
                 result.failed[section] = f"{type(exc).__name__}: {exc}"

@@ -44,6 +44,8 @@ from bench.stats import Samples
 from bench.streaming import IDLE_GAP_S, StreamingResult
 from bench.throughput import ConnectionCost, ThroughputResult
 from bench.trajectory import TrajectoryResult
+from bench.usage import UsageResult
+from bench.usage import table as usage_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -75,6 +77,7 @@ class Report:
     percall: PerCallResult | None = None
     parallel: ParallelResult | None = None
     trajectory: TrajectoryResult | None = None
+    usage: UsageResult | None = None
     final_left: Leftovers | None = None
     #: per section: the share of the machine's CPU used by other processes, and stolen
     others_cpu: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -744,6 +747,8 @@ def render(report: Report) -> str:
         parts.append(executors_report.trajectory_section(report.trajectory))
     if report.images is not None:
         parts.append(images_table(report.images))
+    if report.usage is not None:
+        parts.append(usage_table(report.usage))
     for section, error in report.failed.items():
         parts.append(f"## {section}: FAILED\n\n`{error}`")
     parts.append(_bars(report))

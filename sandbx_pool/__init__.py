@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         ServiceNotRunning,
         TemplateLost,
         UndoConflict,
+        WorkspaceError,
     )
     from sandbx_pool.images.image import Image
     from sandbx_pool.images.store import ImageStore
@@ -68,6 +69,7 @@ _HOMES = {
     "ServiceNotRunning": "sandbx_pool.errors",
     "TemplateLost": "sandbx_pool.errors",
     "UndoConflict": "sandbx_pool.errors",
+    "WorkspaceError": "sandbx_pool.errors",
     "Layer": "sandbx_pool.layers",
     "KilledBy": "sandbx_pool.outcome",
     "Outcome": "sandbx_pool.outcome",
@@ -108,6 +110,7 @@ __all__ = [
     "Status",
     "TemplateLost",
     "UndoConflict",
+    "WorkspaceError",
     "load_config",
     "tool_schemas",
 ]

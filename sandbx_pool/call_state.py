@@ -113,7 +113,14 @@ def describe_exit(returncode: int) -> str:
         return f"killed by signal {-returncode}"
 
 
-def crash_message(returncode: int, context: ExecutionContext) -> str:
+def crash_message(
+    returncode: int, context: ExecutionContext, *, memory_killed: bool = False
+) -> str:
+    if memory_killed:
+        return (
+            f"memory limit exceeded ({context.limits.memory_bytes} bytes): the kernel killed"
+            f" the worker ({describe_exit(returncode)})"
+        )
     if returncode < 0:
         if returncode == -signal.SIGXCPU:
             return (

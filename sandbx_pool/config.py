@@ -180,6 +180,10 @@ class LimitSettings(_Section):
     file_size_mb: Annotated[int, Meta(ge=1, le=MAX_INT // MiB)] | None = None
     #: Processes and threads one call may have at once (a pids cgroup per worker); 0: none.
     processes: Annotated[int, Meta(ge=0, le=MAX_INT)] = 1024
+    #: Memory one call's whole process tree may hold: its memory cgroup's limit (the call ends
+    #: crashed, limit "memory", when the kernel kills for it), else RLIMIT_DATA in each
+    #: process (``sandbx-pool doctor`` says which). None: no limit.
+    memory_mb: Annotated[int, Meta(ge=16, le=MAX_INT // MiB)] | None = None
 
     def for_workers(self) -> Limits:
         """What each Call carries unless the call brings its own limits: bytes, not MiB."""
@@ -189,6 +193,7 @@ class LimitSettings(_Section):
             open_files=self.open_files,
             file_size_bytes=_mib(self.file_size_mb),
             processes=self.processes or None,
+            memory_bytes=_mib(self.memory_mb),
         )
 
 

@@ -28,6 +28,10 @@ class ConfigError(SandbxPoolError):
     """A configuration file or value is invalid; the message names the file and the key."""
 
 
+class WorkspaceError(SandbxPoolError):
+    """The pool's workspace is missing or not a directory (``Pool.start`` refuses it)."""
+
+
 class JournalLocked(SandbxPoolError):
     """Another coordinator is writing this journal."""
 

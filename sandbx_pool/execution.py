@@ -23,15 +23,17 @@ from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
+from sandbx_pool import tree_usage
 from sandbx_pool.call_state import CallState, crash_message
 from sandbx_pool.config import CallSettings
 from sandbx_pool.journal.store import Journal
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import STATUS_OF_KILLER, KilledBy, Outcome, Status
 from sandbx_pool.worker_handle import Stopped, Worker, describe_stuck
-from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Call, Limits, encoder
+from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Call, Limits, Usage, encoder
 
 #: A worker's Result and its exit notice travel on different channels, so the exit may be seen
 #: first. After a clean exit (the Result was handed to ZeroMQ), wait this long for it; after a
@@ -139,28 +141,53 @@ async def execute(
             error_code=result.error_code,
             limit=result.limit,
             changes=result.changes,
+            usage=usage_dict(result.usage),
             **common,
         )
     if call.killer is not None:
         stopped = await stop_worker(call, worker, settings)
         if stopped.quarantined:
             common.update(quarantined=True, wchan=worker.wchan, stuck_pid=worker.stuck_pid)
-        elif stopped.warned:
-            common["value"] = await partial_value(call, worker, settings)
-            if call.result.done():  # tracked by listings: what the command changed until then
-                common["changes"] = call.result.result().changes
+        else:
+            if stopped.warned:
+                common["value"] = await partial_value(call, worker, settings)
+                if call.result.done():  # tracked by listings: what it changed until then
+                    common["changes"] = call.result.result().changes
+            common["usage"] = await killed_usage(call, worker, settings)
         return call.outcome(
             STATUS_OF_KILLER[call.killer], killed_by=call.killer, reason=call.reason, **common
         )
     returncode = worker.exited.result()
     assert call.context is not None
+    memory = worker.memory_killed and call.context.limits.memory_bytes is not None
     return call.outcome(
         Status.CRASHED,
-        error=crash_message(returncode, call.context),
+        error=crash_message(returncode, call.context, memory_killed=memory),
         signal=-returncode if returncode < 0 else None,
-        limit="cpu" if returncode == -signal.SIGXCPU else None,
+        limit="cpu" if returncode == -signal.SIGXCPU else "memory" if memory else None,
+        usage=usage_dict(worker.exit_usage),
         **common,
     )
+
+
+def usage_dict(usage: Usage | None) -> dict[str, Any] | None:
+    """Outcome.usage: the wire's Usage as plain data."""
+    if usage is None:
+        return None
+    result: dict[str, Any] = msgspec.to_builtins(usage)
+    return result
+
+
+async def killed_usage(call: CallState, worker: Worker, settings: CallSettings) -> Any:
+    """What a killed call cost: its worker's own figures when it answered the SIGTERM, else
+    the template's, which come with its exit notice (the worker is dead by now, so that
+    notice follows within a moment; bounded all the same), with what its descendants had
+    cost when the SIGKILL went (sandbx_pool.tree_usage says why they are apart)."""
+    if call.result.done() and call.result.result().usage is not None:
+        return usage_dict(call.result.result().usage)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(worker.exited), settings.kill_wait_s)
+    return tree_usage.merge(usage_dict(worker.exit_usage), worker.tree_at_kill)
 
 
 async def partial_value(call: CallState, worker: Worker, settings: CallSettings) -> Any:
@@ -210,6 +237,8 @@ __all__ = [
     "dispatch",
     "encode_call",
     "execute",
+    "killed_usage",
     "partial_value",
     "stop_worker",
+    "usage_dict",
 ]

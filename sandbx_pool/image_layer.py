@@ -11,6 +11,8 @@
         cwd   the call's, else the image's WorkingDir, else ``/`` (``start_dir``)
         env   the image's Env, then ``[env] set``, then the call's env (``call_env``): none of
               the host's variables, not even those ``[env] allow`` passes to other calls
+        user  the image's User, looked up in the image by the worker (workers.image_user);
+              uid 0 in the call's namespace when the image names none
 
 Everything here is lexical or the layer's own record: the image's directories are only ever
 opened by a worker.
@@ -84,8 +86,14 @@ def start_dir(image: Image) -> str:
 
 def call_env(image: Image, settings: EnvSettings, env: dict[str, str] | None) -> dict[str, str]:
     """A call's environment in an image: the image's Env, ``[env] set``, then the call's own.
-    PATH and HOME as a container runtime gives them when the image sets none."""
-    merged = {"PATH": DEFAULT_PATH, "HOME": DEFAULT_HOME}
+    PATH and HOME as a container runtime gives them when the image sets none (HOME, for an
+    image that names a User, is that user's, from the image's /etc/passwd: the worker sets
+    it, workers.image_user)."""
+    merged = (
+        {"PATH": DEFAULT_PATH}
+        if image.user.strip()
+        else {"PATH": DEFAULT_PATH, "HOME": DEFAULT_HOME}
+    )
     for entry in image.env:
         name, sep, value = entry.partition("=")
         if sep and name:

@@ -61,6 +61,10 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     "workspace", "cwd", "env", "updated", "note"}`` (``view`` too, in one); None otherwise.
     ``images_sha256``: for an applied change set, the sha256 of its kept images (J.d's
     images.json), journaled with the outcome: undo trusts no pre-image that does not match it.
+    ``usage``: what the call's whole process tree cost, ``{"cpu_user_s", "cpu_system_s",
+    "max_rss_bytes", "read_bytes", "write_bytes", "processes", "source"}`` (workers.usage says
+    how each is measured, and what "cgroup" and "rusage" sources mean); None for a call that
+    never started, and for one whose worker is still held by the kernel (quarantined).
     """
 
     call_id: str
@@ -83,6 +87,7 @@ class Outcome(msgspec.Struct, kw_only=True, omit_defaults=True):
     changes: list[dict[str, Any]] | None = None
     session: dict[str, Any] | None = None
     images_sha256: str | None = None
+    usage: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:

@@ -61,7 +61,13 @@ from sandbx_pool.call_state import CallState
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.changes import ChangeSets, refuse_without_store, store_dir
 from sandbx_pool.config import ChangeMode, Config, JournalPolicy, change_mode, load_config
-from sandbx_pool.errors import PoolClosed, PoolNotStarted, TemplateLost, WorkersFailToStart
+from sandbx_pool.errors import (
+    PoolClosed,
+    PoolNotStarted,
+    TemplateLost,
+    WorkersFailToStart,
+    WorkspaceError,
+)
 from sandbx_pool.execution import Unsendable, encode_call, execute
 from sandbx_pool.gate import Approver, Gate
 from sandbx_pool.images.image import Image
@@ -114,6 +120,9 @@ from sandbx_pool.workers.protocol import (
     SpawnFailed,
 )
 from sandbx_pool.workers.schemas import SIDE_EFFECT_TOOLS
+
+#: How long Pool.start waits for a worker to say whether the workspace is a directory.
+WORKSPACE_CHECK_S = 2.0
 
 
 class PoolState(enum.IntEnum):
@@ -278,6 +287,10 @@ class Pool:
         self.state = PoolState.OPEN
         self._workers.forking = True
         self._act(self._workers.replenish())
+        problem = await self._workspace_problem()
+        if problem is not None:
+            await self.close()
+            raise WorkspaceError(f"workspace {self.workspace}: {problem}")
         await self._remove_leftovers()
         if self.journal is not None and self.journal.unfinished_applies:
             await self._changes_store().finish_interrupted(self.journal, self._internal)
@@ -315,6 +328,30 @@ class Pool:
             keep_count=settings.default_keep_count,
         )
         return default_journal_path()
+
+    async def _workspace_problem(self) -> str | None:
+        """Why the workspace cannot be one (missing, not a directory), asked of a worker: the
+        coordinator never touches the workspace's filesystem, where a hung mount would hang
+        it. A worker that does not answer within WORKSPACE_CHECK_S (a mount that hangs) lets
+        the pool start: its calls wait on the mount, killably, as they would anyway."""
+        call = CallState(f"{self._id_prefix}-workspace", "_check_workspace", {}, WORKSPACE_CHECK_S)
+        call.context = preflight.call_context(call, self.workspace, self._side())
+        try:
+            payload = encode_call(call)
+            worker = await self._acquire(call)
+        except (WorkersFailToStart, Unsendable) as exc:
+            logger.warning("could not check the workspace {}: {}", self.workspace, exc)
+            return None
+        if worker is None:
+            return None
+        # Not journaled: it is the pool's own question, not a call.
+        outcome = await self._execute(call, worker, payload, journaled=False)
+        if not outcome.ok or outcome.value is None:
+            why = outcome.error or outcome.reason or outcome.status
+            logger.warning("could not check the workspace {}: {}", self.workspace, why)
+            return None
+        problem: str | None = outcome.value["problem"]
+        return problem
 
     async def _remove_leftovers(self) -> None:
         """Have a worker remove the temp files of writes and edits a crash interrupted, in
@@ -870,8 +907,11 @@ class Pool:
             return call.killed_outcome()
         return await self._execute(call, worker, payload)
 
-    async def _execute(self, call: CallState, worker: Worker, payload: bytes) -> Outcome:
-        send, settings, journal = self._inbox.send, self.config.calls, self.journal
+    async def _execute(
+        self, call: CallState, worker: Worker, payload: bytes, *, journaled: bool = True
+    ) -> Outcome:
+        send, settings = self._inbox.send, self.config.calls
+        journal = self.journal if journaled else None
         try:
             return await execute(
                 call, worker, payload, send=send, settings=settings, journal=journal
@@ -917,8 +957,8 @@ class Pool:
                     worker.watch(pid)
                 case Signal(pid, signum, starting):
                     signal_worker(pid, signum, starting=starting)
-                case Gone(worker, returncode):
-                    worker.mark_exited(returncode)
+                case Gone(worker, returncode, usage, memory_killed):
+                    worker.mark_exited(returncode, usage, memory_killed=memory_killed)
                 case RetryAfter(seconds):
                     loop = asyncio.get_running_loop()
                     self._retry = loop.call_later(seconds, self._retry_now)

@@ -122,7 +122,11 @@ def call_context(call: CallState, cwd: str, pool: PoolSide) -> ExecutionContext:
     if call.view is not None:
         # The pool's lock directory is not in the view: a write there locks its directory.
         sandbox = msgspec.structs.replace(
-            sandbox, view=call.view, lock_dir=None, image=call.image is not None
+            sandbox,
+            view=call.view,
+            lock_dir=None,
+            image=call.image is not None,
+            image_user=call.image.user if call.image is not None else "",
         )
     config = pool.config
     env = (

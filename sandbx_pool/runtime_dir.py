@@ -8,6 +8,12 @@ named after their owner,
 boot, field 22 of /proc/PID/stat), and the next pool started by the same user removes those
 whose owner is provably dead: no process with that pid, or one that started at another time (the
 pid was reused). A name that does not parse, or a live owner, is left alone.
+
+The socket directory is the exception: its path is listed, with every other bound unix socket,
+in /proc/net/unix, which any call sharing the host's network (``network = true``) can read, and
+a pid and start time there tell a call which process to aim at. So it is named at random,
+``<SOCKET_DIR_PREFIX><random>``, and its owner is written in a file inside it (``OWNER_FILE``),
+out of every call's reach like the rest of the runtime root.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import time
 
 #: The prefixes of what a pool makes; the names continue with its owner (see above).
 SOCKET_DIR_PREFIX = "pool-"
+#: The file in a socket directory that names its owner (``<pid>-<start time>``).
+OWNER_FILE = "owner"
 TMP_ROOT_PREFIX = "sandbx-tmp-"
 LOCK_DIR_PREFIX = "sandbx-locks-"
 
@@ -84,11 +92,50 @@ def remove_abandoned(directory: str, prefix: str) -> list[str]:
     return removed
 
 
+def owner_of(directory: str) -> str | None:
+    """The owner (``<pid>-<start time>``) written in a socket directory, None if none is."""
+    try:
+        with open(os.path.join(directory, OWNER_FILE)) as f:
+            return f.read(64).strip()
+    except OSError:
+        return None
+
+
+def _socket_dir_is_abandoned(path: str) -> bool:
+    """Whether the socket directory at ``path`` names an owner that is gone. One without an
+    owner file is being made (or is not ours): left alone."""
+    owner = owner_of(path)
+    return owner is not None and owner_is_dead(f"{SOCKET_DIR_PREFIX}{owner}-x", SOCKET_DIR_PREFIX)
+
+
+def remove_abandoned_socket_dirs(root: str) -> list[str]:
+    """Remove the socket directories under ``root`` whose owner is dead; return their paths.
+    Those named after their owner (made by earlier versions) are judged by their name."""
+    removed = remove_abandoned(root, SOCKET_DIR_PREFIX)
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            if not entry.name.startswith(SOCKET_DIR_PREFIX):
+                continue
+            with contextlib.suppress(OSError):
+                if (
+                    entry.is_dir(follow_symlinks=False)
+                    and entry.stat().st_uid == os.getuid()
+                    and _socket_dir_is_abandoned(entry.path)
+                ):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.path)
+    return removed
+
+
 def make_private_dir() -> str:
-    """A fresh 0700 directory for one pool's ZeroMQ socket (ipc paths must stay short)."""
+    """A fresh 0700 directory for one pool's ZeroMQ socket (ipc paths must stay short), named
+    at random: no socket path a call can list names this process (see above)."""
     root = runtime_root()
-    remove_abandoned(root, SOCKET_DIR_PREFIX)
-    return tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{owner_tag()}-", dir=root)
+    remove_abandoned_socket_dirs(root)
+    path = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX, dir=root)
+    with open(os.path.join(path, OWNER_FILE), "x") as f:
+        f.write(owner_tag())
+    return path
 
 
 def make_tmp_root() -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from sandbx_pool.call_state import CallState
 from sandbx_pool.errors import WorkersFailToStart
 from sandbx_pool.worker_handle import Worker
+from sandbx_pool.workers.protocol import Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,10 @@ class Gone:
 
     worker: Worker
     returncode: int
+    #: What the worker's tree cost, and whether its memory limit killed in it: the
+    #: template's figures (Exited), for a call that could not answer.
+    usage: Usage | None = None
+    memory_killed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from sandbx_pool.errors import ConfigError
+from sandbx_pool.journal.costs import cpu_s
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
 
@@ -211,6 +212,8 @@ def call_attributes(outcome: Outcome) -> dict[str, str | int | float | bool]:
         "sandbx.error": _clip(outcome.error),
         "sandbx.signal": outcome.signal,
         "sandbx.limit": outcome.limit,
+        "sandbx.cpu_s": None if outcome.usage is None else round(cpu_s(outcome.usage), 6),
+        "sandbx.max_rss_bytes": None if outcome.usage is None else outcome.usage["max_rss_bytes"],
     }
     found.update({key: value for key, value in optional.items() if value is not None})
     if outcome.quarantined:

@@ -65,6 +65,10 @@ class TemplateHandle:
         #: not enforced, for the reason in ``process_limit_why``.
         self.pids_cgroup: str | None = None
         self.process_limit_why: str | None = None
+        #: Where a call's memory limit binds (a memory cgroup per worker); None: RLIMIT_DATA,
+        #: for the reason in ``memory_limit_why``.
+        self.memory_cgroup: str | None = None
+        self.memory_limit_why: str | None = None
         self.closed = False
         self._pending_spawns = 0
         self._spawn_scheduled = False
@@ -96,6 +100,7 @@ class TemplateHandle:
         self.containment = ready.containment
         self.user_namespaces = ready.user_namespaces
         self.pids_cgroup, self.process_limit_why = ready.pids_cgroup, ready.process_limit_why
+        self.memory_cgroup, self.memory_limit_why = ready.memory_cgroup, ready.memory_limit_why
         logger.debug(
             "worker template {} up, containment {}{}",
             ready.pid,

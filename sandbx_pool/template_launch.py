@@ -96,7 +96,11 @@ def _keep_template(
         launch.process = subprocess.Popen(
             command,
             pass_fds=[child_sock.fileno()],
+            # Never our stdout (a caller's `$(sandbx-pool call ...)` or pipe); our stderr for
+            # what the template itself reports, and it exits when the pool closes. Its workers
+            # hold neither (containment.release_standard_streams).
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
             cwd=CHILD_CWD,
             # Own session: a Ctrl-C at our terminal reaches us, and we stop calls in order.
             start_new_session=True,

@@ -11,7 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from sandbx_pool import tree_usage
+from sandbx_pool.tree_usage import TreeFigures
 from sandbx_pool.workers.procfs import children
+from sandbx_pool.workers.protocol import Usage
 
 #: After SIGKILL a process the kernel does not hold is gone within a millisecond or two. One still
 #: there after this long with a thread in uninterruptible sleep (state D) is held by the kernel,
@@ -64,6 +67,12 @@ class Worker:
         #: The process the kernel holds: the worker itself, or (bash) a descendant of it.
         self.stuck_pid: int | None = None
         self.quarantined_at: float | None = None
+        #: From the template's exit notice: what the worker's tree cost, and whether the
+        #: call's memory limit killed a process of it (workers.usage).
+        self.exit_usage: Usage | None = None
+        self.memory_killed = False
+        #: What the worker's tree had cost when the SIGKILL went (tree_usage).
+        self.tree_at_kill: TreeFigures | None = None
 
     def __repr__(self) -> str:
         return f"<Worker pid={self.pid} {self.state.name}>"
@@ -137,6 +146,8 @@ class Worker:
             rest_s = max(0.0, grace_s - settle_s - KERNEL_HOLD_RECHECK_S)
             if not held and await self.wait_gone(rest_s):
                 return Stopped(warned=True, quarantined=False)
+        if self.pid is not None and not self.exited.done():
+            self.tree_at_kill = tree_usage.snapshot([self.pid, *descendants(self.pid)])
         self.signal_group(signal.SIGKILL)
         settle_s = min(KERNEL_HOLD_SETTLE_S, kill_wait_s)
         if await self.wait_gone(settle_s):
@@ -168,7 +179,11 @@ class Worker:
         leaves = [pid for pid in descendants(self.pid) if not children(pid)]
         return bool(leaves) and all(_stuck_thread(pid) is not None for pid in leaves)
 
-    def mark_exited(self, returncode: int) -> None:
+    def mark_exited(
+        self, returncode: int, usage: Usage | None = None, *, memory_killed: bool = False
+    ) -> None:
+        if not self.exited.done():
+            self.exit_usage, self.memory_killed = usage, memory_killed
         self.state = WorkerState.EXITED
         self._set_gone()
         if not self.exited.done():

@@ -294,7 +294,8 @@ class WorkerSet:
         elif worker.state is WorkerState.QUARANTINED:
             logger.info("stuck worker {} finally exited ({})", worker.pid, message.returncode)
         worker.state = WorkerState.EXITED
-        return [*actions, Gone(worker, message.returncode), *self._replenish()]
+        gone = Gone(worker, message.returncode, message.usage, message.memory_killed)
+        return [*actions, gone, *self._replenish()]
 
     def on_spawn_failed(self, message: SpawnFailed) -> list[Action]:
         """The template could not fork ``message.count`` of the workers asked for, even after

@@ -102,6 +102,7 @@ def write_layout(
     env: tuple[str, ...] = ("PATH=/bin",),
     workdir: str = "/",
     diff_ids: list[str] | None = None,
+    user: str = "",
 ) -> Written:
     """Add an image to the OCI layout at ``layout`` (made if needed) under ``tag``; returns
     what was written: ``digest`` (the manifest's), ``blobs``, ``diff_ids``."""
@@ -118,7 +119,7 @@ def write_layout(
     config = {
         "architecture": "amd64",
         "os": "linux",
-        "config": {"Env": list(env), "WorkingDir": workdir},
+        "config": {"Env": list(env), "WorkingDir": workdir, **({"User": user} if user else {})},
         "rootfs": {"type": "layers", "diff_ids": diff_ids or found_diff_ids},
     }
     config_bytes = json.dumps(config).encode()

@@ -456,7 +456,9 @@ async def test_a_stop_takes_no_more_calls_and_counts_the_rest(
     assert sorted(spec.call_id for spec, _ in report.results) == sorted(submitted)
     assert len(report.results) >= 21
     assert report.not_run == 80 - len(report.results)
-    assert "run again with --resume" in "\n".join(format_summary(report))
+    summary = "\n".join(format_summary(report))
+    assert f"{report.not_run} of 80 call(s) stopped" in summary
+    assert "--resume" not in summary  # the command that ran the batch names the next one
 
 
 async def test_a_token_cancels_its_call(workspace: Path, tmp_path: Path) -> None:
@@ -671,7 +673,7 @@ def test_sigterm_stops_the_run_and_resume_runs_each_call_once(
     assert shutdown, "the calls in flight are cancelled by the shutdown"
     assert {r.status for r in shutdown} == {"cancelled"}
     assert "SIGTERM" in (tmp_path / "first.err").read_text()
-    assert "run again with --resume" in (tmp_path / "first.out").read_text()
+    assert "resume with: " in (tmp_path / "first.out").read_text()
 
     # Cut after a worker took them, an edit or bash may have done its side effect: resume
     # skips those (in doubt) and runs the rest again.
@@ -764,6 +766,14 @@ def test_the_printed_resume_command_works_verbatim_from_anywhere(
     assert sorted(p.name for p in ws.glob("out*.txt")) == [f"out{i}.txt" for i in range(4)]
     assert list(elsewhere.iterdir()) == []
 
+    # Only --rerun-started runs the rest: a --resume would run nothing more, and is not
+    # suggested. The call was journaled cancelled, so the run did see it end.
+    resumed = (tmp_path / "second.out").read_text()
+    assert [line for line in resumed.splitlines() if "--resume" in line] == [
+        line for line in resumed.splitlines() if "--rerun-started" in line
+    ], resumed
+    assert "  wait  bash  (line 1): cancelled by a stop after it had started" in resumed
+    assert "never saw" not in resumed
     (ws / "go").touch()
     words = printed_command(tmp_path / "second.out", "run them again with: ")
     assert words[-2:] == ["--resume", "--rerun-started"]
@@ -817,7 +827,9 @@ def test_after_a_sigterm_the_calls_in_doubt_are_the_same_everywhere(
     processes.append(second)
     assert second.wait(DEADLINE_S) == 1, (tmp_path / "second.err").read_text()[-2000:]
     skipped = re.findall(
-        r"^  (\S+)  bash  \(line \d+\)$", (tmp_path / "second.out").read_text(), re.M
+        r"^  (\S+)  bash  \(line \d+\): cancelled by a stop after it had started$",
+        (tmp_path / "second.out").read_text(),
+        re.M,
     )
     assert set(skipped) == began
     resumed = read_journal(journal).records[stopped_at:]
@@ -881,3 +893,58 @@ def test_demo_shows_every_kind_of_ending(
     records = read_journal(journal).records
     statuses = Counter(r.status for r in records if isinstance(r, OutcomeRecord))
     assert statuses.keys() >= {"ok", "error", "cancelled", "timeout", "denied"}
+
+
+#: A bash command that ends ok once FILE exists in the workspace, or fails after 10 s: the
+#: line that makes FILE must run while this one is in flight.
+WAIT_FOR = "for i in $(seq 100); do [ -e {file} ] && exit 0; sleep 0.1; done; exit 1"
+
+
+@pytest.mark.parametrize("waiting_on", ["after", "session"])
+async def test_a_line_waiting_for_its_turn_holds_no_lane(tmp_path: Path, waiting_on: str) -> None:
+    # a1 runs until d2 has run; a2 waits for a1 (its `after`, or its session's order). At
+    # --parallel 2, a2 must not take the second lane: b1 and then d2 need it.
+    workspace = make_workspace(tmp_path)
+    if waiting_on == "after":
+        lines = [
+            {"id": "a1", "tool": "bash", "args": {"command": WAIT_FOR.format(file="d2-ran")}},
+            {"id": "a2", "tool": "bash", "after": ["a1"], "args": {"command": "true"}},
+        ]
+    else:
+        lines = [
+            {"id": "a1", "tool": "bash", "session": "a",
+             "args": {"command": f"export N=1; {WAIT_FOR.format(file='d2-ran')}"}},
+            {"id": "a2", "tool": "bash", "session": "a", "args": {"command": 'echo "$N"'}},
+        ]  # fmt: skip
+    lines += [
+        {"id": "b1", "tool": "bash", "args": {"command": "true"}},
+        {"id": "d2", "tool": "bash", "args": {"command": "touch d2-ran"}},
+    ]
+    batch = load_batch(write_lines(tmp_path / "c.jsonl", lines))
+    async with Pool(workspace, config=marked_config(pool={"workers": 4})) as pool:
+        report = await run_batch(pool, batch.calls, parallel=2)
+    ended = [spec.call_id for spec, _ in report.results]
+    codes = {
+        spec.call_id: (outcome.value or {}).get("exit_code") for spec, outcome in report.results
+    }
+    assert codes == dict.fromkeys(["a1", "a2", "b1", "d2"], 0), report.results
+    assert ended.index("a1") < ended.index("a2")  # order kept
+    if waiting_on == "session":
+        assert report.results[ended.index("a2")][1].value["stdout"] == "1\n"
+
+
+def test_a_stopped_demo_never_suggests_resume(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    # `demo` has no --resume (its workspace is gone once it ends): its summary says what was
+    # stopped, and nothing about resuming.
+    journal = tmp_path / "demo.jsonl"
+    config = marked_toml(tmp_path / "marked.toml")
+    proc = start_cli(["demo", "--journal", str(journal), "--config", str(config)], tmp_path / "d")
+    processes.append(proc)
+    wait_until(lambda: count_in(journal, b'"kind":"intent"') >= 1, "the demo's first call", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(DEADLINE_S) == 128 + signal.SIGTERM
+    out = (tmp_path / "d.out").read_text()
+    assert re.search(r"^\d+ of 15 call\(s\) stopped$", out, re.M), out
+    assert "resume" not in out + (tmp_path / "d.err").read_text()

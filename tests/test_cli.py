@@ -259,3 +259,111 @@ def one_shot_calls(runtime: Path, workspace: Path, tmp_path: Path) -> None:
     # Each run prunes before it makes its own: two kept, then the new one.
     assert len(left) == 3
     assert json.loads(done.stdout)["journal"] in {str(journals / name) for name in left}
+
+
+# -- every documented error of every command: one line, its exit code -------------------------
+
+#: Each command, with what it needs besides the argument under test ({ws}, {journal}, {config}
+#: and {calls} are filled in by the test).
+COMMANDS: dict[str, list[str]] = {
+    "call": ["call", "ls", "--workspace", "{ws}", "--journal", "{journal}", "--config", "{config}"],
+    "run": ["run", "{calls}", "--workspace", "{ws}", "--journal", "{journal}", "--config",
+            "{config}"],
+    "undo": ["undo", "c1", "--workspace", "{ws}", "--journal", "{journal}", "--config",
+             "{config}"],
+    "mcp": ["mcp", "--workspace", "{ws}", "--journal", "{journal}", "--config", "{config}"],
+    "demo": ["demo", "--journal", "{journal}", "--config", "{config}"],
+    "doctor": ["doctor", "--config", "{config}"],
+}  # fmt: skip
+
+#: Each error, what it sets, the commands it applies to, and a part of its one line.
+ERRORS: dict[str, tuple[dict[str, str], list[str], str]] = {
+    "workspace missing": ({"ws": "nowhere"}, ["call", "run", "undo", "mcp"], "no such directory"),
+    "workspace a file": ({"ws": "ws/hello.txt"}, ["call", "run", "undo", "mcp"], "not a directory"),
+    "config missing": ({"config": "nope.toml"}, list(COMMANDS), "no such config file"),
+    "config bad": ({"config": "bad.toml"}, list(COMMANDS), "pool.workers"),
+    "journal dir not a dir": (
+        {"journal": "ws/hello.txt/j.jsonl"},
+        ["call", "run", "mcp", "demo"],
+        "cannot open journal",
+    ),
+    "journal dir read-only": (
+        {"journal": "ro/j.jsonl"},
+        ["call", "run", "mcp", "demo"],
+        "Permission denied",
+    ),
+    "journal held": (
+        {"journal": "held.jsonl"},
+        ["call", "run", "undo", "mcp", "demo"],
+        "being written by another coordinator",
+    ),
+    "journal missing (undo)": ({"journal": "nope.jsonl"}, ["undo"], "no such journal"),
+}
+
+CASES = [
+    pytest.param(command, error, id=f"{command}-{error}")
+    for error, (_, commands, _) in ERRORS.items()
+    for command in commands
+]
+
+
+@pytest.mark.parametrize(("command", "error"), CASES)
+def test_every_documented_error_is_one_line_and_exit_2(
+    workspace: Path, tmp_path: Path, command: str, error: str
+) -> None:
+    changed, _, expected = ERRORS[error]
+    if error == "journal dir read-only" and os.geteuid() == 0:
+        pytest.skip("root writes a read-only directory: 'journal dir not a dir' stands for it")
+    if command == "mcp":
+        pytest.importorskip("mcp")
+    (tmp_path / "ro").mkdir(mode=0o555)
+    (tmp_path / "bad.toml").write_text('[pool]\nworkers = "x"\n')
+    calls = calls_file(tmp_path / "calls.jsonl", [{"tool": "ls", "id": "c1"}])
+    held = tmp_path / "held.jsonl"
+    held.touch()
+    values = {
+        "ws": str(workspace),
+        "journal": str(tmp_path / "j.jsonl"),
+        "config": str(marked_toml(tmp_path / "marked.toml")),
+        "calls": str(calls),
+    }
+    values.update({key: str(tmp_path / value) for key, value in changed.items()})
+    argv = [word.format(**values) for word in COMMANDS[command]]
+    lock = os.open(f"{held}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a live coordinator holds it
+        done = subprocess.run(
+            [sys.executable, "-m", "sandbx_pool.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=CHILD_S,
+            cwd=tmp_path,
+            stdin=subprocess.DEVNULL,
+        )
+    finally:
+        os.close(lock)
+    line = one_line(done)
+    assert line.startswith(f"sandbx-pool {command}: "), line
+    assert expected in line, line
+    assert done.returncode == 2, (done.returncode, line)
+    if command != "demo":  # the demo says what it is about to run first
+        assert done.stdout == ""
+
+
+@pytest.mark.parametrize("subcommand", ["in-doubt", "stats", "show", "timeline"])
+@pytest.mark.parametrize("error", ["missing", "a directory", "not a journal"])
+def test_every_journal_command_error_is_one_line_and_exit_2(
+    tmp_path: Path, subcommand: str, error: str
+) -> None:
+    if error == "not a journal" and subcommand != "timeline":
+        pytest.skip("in-doubt, stats and show read what they can: corrupt lines are skipped")
+    path = {"missing": tmp_path / "nope.jsonl", "a directory": tmp_path}.get(error)
+    if path is None:
+        path = tmp_path / "notes.txt"
+        path.write_text("not a journal\n")
+    argv = ["journal", subcommand, str(path)]
+    if subcommand == "timeline":
+        argv += ["-o", str(tmp_path / "t.html")]
+    done = cli(*argv, cwd=tmp_path)
+    assert one_line(done).startswith("sandbx-pool journal: ")
+    assert done.returncode == 2

@@ -186,6 +186,8 @@ def test_a_worker_costs_the_coordinator_the_descriptors_budgeted(workspace: Path
         config = marked_config(pool={"workers": max(spares, 1), "prefork": spares})
         async with Pool(workspace, config=config) as pool:
             await wait_until(lambda: len(pool._workers.idle) == spares, what="spares connected")
+            # And nothing else: the worker that checked the workspace at start is reaped.
+            await wait_until(lambda: len(pool._workers.by_token) == spares, what="only spares")
             return descriptors.open_count()
 
     none, six = asyncio.run(open_with(0)), asyncio.run(open_with(6))

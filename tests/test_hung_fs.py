@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import shlex
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import marked_config
+from conftest import MARKER, marked_config
 from fusefs import STALLED, HungFs, require_fuse
 from helpers import wait_until
 
@@ -32,6 +37,10 @@ KILL_WAIT_S = 0.2
 RELEASE_BOUND_S = KILL_WAIT_S + 5.0
 #: The same for close(): its own kill wait, and the template's bounded wait for stuck workers.
 CLOSE_BOUND_S = 15.0
+#: What docs/design.md promises close() with a worker stuck, and the slack a loaded machine
+#: adds to it (far less than a second wait of that bound would).
+CLOSE_DOCUMENTED_S = 2.0
+CLOSE_SLACK_S = 0.5
 
 CALLS: dict[str, tuple[str, dict[str, Any]]] = {
     "read": ("read", {"path": "hung/stuck-0.txt"}),
@@ -339,3 +348,47 @@ def _processes_named(comm: str) -> bool:
                 if (entry / "comm").read_text().strip() == comm:
                     return True
     return False
+
+
+# -- the caller's descriptors -----------------------------------------------------------------
+
+
+def test_a_piped_one_shot_call_ends_with_its_outcome_while_its_worker_is_stuck(
+    hung_fs: HungFs, workspace: Path, tmp_path: Path
+) -> None:
+    # `sandbx-pool call ... | cat`: cat ends when the last holder of the pipe closes it. A
+    # worker held in the kernel must not be one, nor may any process of the pool.
+    config = tmp_path / "pool.toml"
+    config.write_text(
+        f'[calls]\nkill_wait_s = {KILL_WAIT_S}\n[env.set]\n{MARKER} = "{os.environ[MARKER]}"\n'
+    )
+    argv = [sys.executable, "-m", "sandbx_pool.cli", "call", "read", "path=hung/stuck-0.txt"]
+    argv += ["--timeout", "1", "--workspace", str(workspace), "--config", str(config)]
+    argv += ["--journal", str(tmp_path / "j.jsonl")]
+    pipeline = f"{shlex.join(argv)} 2>&1 | cat"
+    done = subprocess.run(["bash", "-c", pipeline], capture_output=True, text=True, timeout=30)
+    outcome = json.loads(done.stdout[done.stdout.index("{") :])
+    assert outcome["status"] == "timeout", done.stdout
+    assert outcome["quarantined"], done.stdout
+    # Still held: the pipeline did not end because the filesystem let go.
+    assert proc_state(outcome["worker_pid"]) == "D"
+    assert hung_fs.reads == ["/stuck-0.txt"]
+
+
+async def test_close_returns_within_its_documented_bound_with_a_worker_stuck(
+    hung_fs: HungFs, workspace: Path, tmp_path: Path
+) -> None:
+    pool = Pool(workspace, journal=tmp_path / "j.jsonl", config=hung_config())
+    await pool.start()
+    token = CancelToken()
+    call = await stuck_call(pool, hung_fs, "read", token)
+    token.cancel()
+    stuck = await asyncio.wait_for(call, RELEASE_BOUND_S)
+    assert stuck.quarantined
+    started = time.monotonic()
+    await pool.close()
+    closed_in = time.monotonic() - started
+    assert stuck.worker_pid is not None
+    assert proc_state(stuck.worker_pid) == "D"  # closed while it was still stuck
+    # docs/design.md: close() does not wait for a stuck worker beyond a bounded 2 s.
+    assert closed_in < CLOSE_DOCUMENTED_S + CLOSE_SLACK_S, closed_in

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +189,159 @@ async def test_a_layer_over_a_pulled_image_runs_the_images_own_shell(tmp_path: P
         assert pool.images().prune(0).images == ()
         await ws.remove()
     assert [s.pinned for s in ImageStore(tmp_path / "store").list()] == [False]
+
+
+# -- sandbx-pool call TOOL ... --image REF ---------------------------------------------------
+
+
+def _busybox_layout(tmp_path: Path) -> Path:
+    require("skopeo", "skopeo")
+    if not have_busybox():
+        pytest.skip("no static busybox (Debian package busybox-static)")
+    layout = tmp_path / "layout"
+    write_layout(layout, [busybox_layer()], env=("PATH=/bin", "GREETING=from-the-image"))
+    return layout
+
+
+def _call_config(tmp_path: Path) -> Path:
+    """The image store and the layer store in the test's directory; calls marked as ours."""
+    from test_batch import marked_toml
+
+    (tmp_path / "ws").mkdir(exist_ok=True)
+    extra = (
+        f'[images]\nstore = "{tmp_path / "store"}"\n[workspace]\nlayers = "{tmp_path / "layers"}"\n'
+    )
+    return marked_toml(tmp_path / "call.toml", extra)
+
+
+def _call(
+    tmp_path: Path, *argv: str, ref: str, config: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    config = config or _call_config(tmp_path)
+    return subprocess.run(
+        [sys.executable, "-m", "sandbx_pool.cli", "call", *argv, "--image", ref,
+         "--config", str(config), "--workspace", str(tmp_path / "ws")],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+
+
+def _layers_left(tmp_path: Path) -> list[str]:
+    layers = tmp_path / "layers"
+    return sorted(os.listdir(layers)) if layers.exists() else []
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+def test_call_in_an_image_runs_in_a_fresh_layer_removed_after(tmp_path: Path) -> None:
+    layout = _busybox_layout(tmp_path)
+    ref = f"oci:{layout}"
+    first = _call(
+        tmp_path, "bash", "command=cat /etc/os-release; echo $GREETING; echo x > /made",
+        "--no-stream", ref=ref,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    outcome = json.loads(first.stdout)
+    assert outcome["status"] == "ok"
+    assert outcome["value"]["stdout"] == "NAME=busybox-test\nfrom-the-image\n"
+    assert outcome["image"]["ref"] == ref
+    assert outcome["image"]["digest"].startswith("sha256:")
+    assert _layers_left(tmp_path) == []
+    # The next call's layer is a fresh one: the image as it is, nothing of the last call's.
+    second = _call(tmp_path, "read", "path=/made", ref=ref)
+    assert second.returncode == 1
+    assert json.loads(second.stdout)["status"] == "error"
+    read = _call(tmp_path, "read", "path=/etc/os-release", ref=ref)
+    assert read.returncode == 0, read.stderr
+    assert "NAME=busybox-test" in json.loads(read.stdout)["value"]["content"]
+    assert _layers_left(tmp_path) == []
+    # The image stays in the store, unpinned: the call's pool has closed.
+    assert [s.pinned for s in ImageStore(tmp_path / "store").list()] == [False]
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+def test_a_call_in_an_image_that_times_out_leaves_no_layer(tmp_path: Path) -> None:
+    layout = _busybox_layout(tmp_path)
+    done = _call(
+        tmp_path, "bash", "command=busybox sleep 60", "--timeout", "0.5", ref=f"oci:{layout}"
+    )
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["status"] == "timeout"
+    assert _layers_left(tmp_path) == []
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+def test_a_call_in_an_image_stopped_by_a_signal_leaves_no_layer(tmp_path: Path) -> None:
+    from helpers import wait_until_sync
+    from test_batch import start_cli
+
+    layout = _busybox_layout(tmp_path)
+    config = _call_config(tmp_path)
+    argv = ["call", "bash", "command=echo > /started; busybox sleep 60", "--no-stream",
+            "--image", f"oci:{layout}", "--config", str(config), "--workspace",
+            str(tmp_path / "ws")]  # fmt: skip
+    process = start_cli(argv, tmp_path / "cli")
+    try:
+        # The call's write lands in its layer's upper directory: the call is running.
+        wait_until_sync(
+            lambda: any((tmp_path / "layers").glob("call-*/upper/started")),
+            60,
+            "the call in the image to start",
+        )
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert json.loads((tmp_path / "cli.out").read_text())["status"] == "cancelled"
+    assert _layers_left(tmp_path) == []
+
+
+def test_call_image_errors_are_one_line_with_their_own_exit_status(tmp_path: Path) -> None:
+    require("skopeo", "skopeo")
+    bad = _call(tmp_path, "ls", ref="Not A/Ref")
+    assert bad.returncode == 2
+    assert bad.stderr == (
+        "sandbx-pool call: --image: image reference 'Not A/Ref': 'Not A' is not a"
+        " repository name (lowercase, digits, . _ -)\n"
+    )
+    missing = _call(tmp_path, "ls", ref=f"oci:{tmp_path / 'no-layout'}")
+    assert missing.returncode == 3
+    assert missing.stderr.startswith(f"sandbx-pool call: --image: oci:{tmp_path / 'no-layout'}:")
+    assert len(missing.stderr.splitlines()) == 1
+    assert missing.stdout == ""
+    assert _layers_left(tmp_path) == []
+
+
+def test_call_in_an_image_without_overlays_exits_4_naming_why(tmp_path: Path) -> None:
+    """A container's root (no CAP_SYS_ADMIN): no layer, so no call; nothing left made."""
+    from test_image_layers import _CONTAINER_ROOT
+
+    if os.geteuid() != 0:
+        pytest.skip("plays a container's root: needs root")
+    require("setpriv", "util-linux")
+    layout = _busybox_layout(tmp_path)
+    config = _call_config(tmp_path)
+    done = subprocess.run(
+        [*_CONTAINER_ROOT, sys.executable, "-m", "sandbx_pool.cli", "call", "ls",
+         "--image", f"oci:{layout}", "--config", str(config), "--workspace",
+         str(tmp_path / "ws")],
+        capture_output=True, text=True, check=False, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.startswith("sandbx-pool call: --image: layers need a mount namespace")
+    assert len(done.stderr.splitlines()) == 1
+    assert _layers_left(tmp_path) == []
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+def test_a_pulled_images_user_is_the_calls(tmp_path: Path) -> None:
+    """The User of the image's config, through the store (workers.image_user has the rest)."""
+    layout = _busybox_layout(tmp_path)
+    write_layout(layout, [busybox_layer()], tag="as-user", user="4242:4343")
+    done = _call(
+        tmp_path, "bash", "command=busybox id -u; busybox id -g; echo $HOME", "--no-stream",
+        ref=f"oci:{layout}:as-user",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["value"]["stdout"] == "4242\n4343\n/\n"

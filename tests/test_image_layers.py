@@ -35,6 +35,13 @@ APPLETS = (
 )  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _workspace(tmp_path: Path) -> None:
+    """The pools here work in ``tmp_path / "ws"``, made first: a pool refuses a workspace that
+    is missing (WorkspaceError); a layer over an image never looks at it."""
+    (tmp_path / "ws").mkdir(exist_ok=True)
+
+
 def _config(tmp_path: Path, **sections: dict[str, object]) -> Config:
     return marked_config(
         pool={"workers": 4}, workspace={"layers": str(tmp_path / "layers")}, **sections
@@ -495,7 +502,6 @@ def test_without_overlays_an_image_layer_is_refused_naming_why(tmp_path: Path) -
     if shutil.which("setpriv") is None:
         pytest.skip("needs setpriv (util-linux)")
     image = make_image(tmp_path / "image")
-    (tmp_path / "ws").mkdir()
     args = [str(tmp_path / "ws"), str(tmp_path / "s"), image.layer_dirs[0]]
     done = subprocess.run(
         [*_CONTAINER_ROOT, sys.executable, "-c", _WITHOUT_OVERLAY, *args],

@@ -26,7 +26,7 @@ from minisweagent.exceptions import Submitted
 from minisweagent.models.test_models import DeterministicModel, make_output
 
 from sandbx_pool.integrations.mini_swe_agent import SUBMIT_SENTINEL, SandbxEnvironment
-from sandbx_pool.runtime_dir import owner_tag, runtime_root
+from sandbx_pool.runtime_dir import owner_of, owner_tag, runtime_root
 
 DOTTED = "sandbx_pool.integrations.mini_swe_agent.SandbxEnvironment"
 
@@ -126,12 +126,13 @@ def _children() -> set[int]:
 
 def _our_temp_dirs() -> set[str]:
     """What this process's pools made under the runtime root and the temp directory (their
-    socket, TMPDIR and lock directories are named after their owner)."""
+    TMPDIR and lock directories are named after their owner, their socket directories say it
+    in a file)."""
     return {
-        os.path.join(root, name)
+        path
         for root in (runtime_root(), tempfile.gettempdir())
-        for name in os.listdir(root)
-        if owner_tag() in name
+        for path in (os.path.join(root, name) for name in os.listdir(root))
+        if owner_tag() in os.path.basename(path) or owner_of(path) == owner_tag()
     }
 
 
@@ -167,11 +168,12 @@ def test_a_dropped_environment_leaves_nothing_once_collected(
 _NEVER_CLOSED = """
 import json, os, sys, tempfile
 from sandbx_pool.integrations.mini_swe_agent import SandbxEnvironment
-from sandbx_pool.runtime_dir import owner_tag, runtime_root
+from sandbx_pool.runtime_dir import owner_of, owner_tag, runtime_root
 environment = SandbxEnvironment(cwd=sys.argv[1], journal=sys.argv[2], env=json.loads(sys.argv[3]))
 assert environment.execute({"command": "echo hi"})["output"] == "hi\\n"
 roots = (runtime_root(), tempfile.gettempdir())
-print(json.dumps([os.path.join(r, n) for r in roots for n in os.listdir(r) if owner_tag() in n]))
+paths = [os.path.join(r, n) for r in roots for n in os.listdir(r)]
+print(json.dumps([p for p in paths if owner_tag() in p or owner_of(p) == owner_tag()]))
 """
 
 

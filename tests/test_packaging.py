@@ -161,3 +161,47 @@ def test_no_top_level_workers_module_is_installed(installed: Path, tmp_path: Pat
     )  # fmt: skip
     assert done.returncode != 0
     assert "No module named 'workers'" in done.stderr
+
+
+def _tracked_copy(target: Path) -> Path:
+    """The tracked files of this checkout, as a fresh clone holds them, under ``target``."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        source = REPO / os.fsdecode(name)
+        if source.exists():
+            (target / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
+            (target / os.fsdecode(name)).write_bytes(source.read_bytes())
+    return target
+
+
+def test_the_build_prints_no_packaging_warning(tmp_path: Path) -> None:
+    # What pip shows a new user on `make demo`: setuptools' deprecation banners are noise that
+    # reads like a broken install.
+    source = _tracked_copy(tmp_path / "source")
+    code = (
+        "import sys; from setuptools import build_meta as b;"
+        " b.prepare_metadata_for_build_wheel(sys.argv[1])"
+    )
+    (tmp_path / "meta").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "meta")],
+        cwd=source,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Warning" not in done.stderr, done.stderr
+
+
+def test_make_demo_installs_only_what_the_demo_needs_and_says_so(tmp_path: Path) -> None:
+    # A fresh clone: no .venv. `make -n` prints the commands without running them.
+    source = _tracked_copy(tmp_path / "clone")
+    done = subprocess.run(["make", "-n", "demo"], cwd=source, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    commands = done.stdout
+    assert "pip install" in commands
+    assert "[dev]" not in commands, commands  # the integrations, Ray, mypy: not the demo's
+    assert "make demo: first use: installing" in commands
+    assert "about 20 s" in commands

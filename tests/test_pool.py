@@ -11,7 +11,16 @@ import pytest
 from conftest import marked_config
 from helpers import fifo_has_reader, pids_with, tagged_sleep, unique_tag, wait_until
 
-from sandbx_pool import CancelToken, KilledBy, Pool, PoolClosed, PoolNotStarted, Status
+from sandbx_pool import (
+    CancelToken,
+    KilledBy,
+    Pool,
+    PoolClosed,
+    PoolNotStarted,
+    PoolState,
+    Status,
+    WorkspaceError,
+)
 
 # -- each tool through a worker ---------------------------------------------------------------
 
@@ -362,3 +371,27 @@ async def test_more_calls_than_workers_queue_and_all_finish(pool: Pool) -> None:
 
 async def test_repr_shows_the_lifecycle(pool: Pool) -> None:
     assert repr(pool).startswith("<Pool [OPEN | Calls: 0 active")
+
+
+@pytest.mark.parametrize("kind", ["missing", "a file"])
+async def test_a_workspace_that_is_not_a_directory_is_refused_at_start(
+    tmp_path: Path, kind: str
+) -> None:
+    workspace = tmp_path / "nowhere"
+    if kind == "a file":
+        workspace.write_text("not a directory\n")
+    pool = Pool(workspace, journal=tmp_path / "j.jsonl", config=marked_config())
+    with pytest.raises(WorkspaceError) as refused:
+        await pool.start()
+    problem = "no such directory" if kind == "missing" else "not a directory"
+    assert str(refused.value) == f"workspace {workspace}: {problem}"
+    assert pool.state is PoolState.CLOSED  # its template and directories are gone with it
+    with pytest.raises(PoolClosed):
+        await pool.call("ls", {})
+
+
+async def test_a_symlink_to_a_directory_is_a_workspace(workspace: Path, tmp_path: Path) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(workspace)
+    async with Pool(link, journal=tmp_path / "j.jsonl", config=marked_config()) as pool:
+        assert (await pool.call("read", {"path": "hello.txt"})).ok

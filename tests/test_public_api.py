@@ -38,6 +38,7 @@ PUBLIC = [
     "Status",
     "TemplateLost",
     "UndoConflict",
+    "WorkspaceError",
     "load_config",
     "tool_schemas",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import secrets
 import shutil
 import socket
@@ -34,6 +35,7 @@ from sandbx_pool import Pool, Status
 from sandbx_pool.cli.main import main as cli_main
 from sandbx_pool.config import load_config
 from sandbx_pool.errors import ConfigError
+from sandbx_pool.runtime_dir import start_time
 from sandbx_pool.workers import immortal, landlock
 from sandbx_pool.workers.protocol import MAX_MESSAGE_BYTES, Ready, Result, call_decoder, encoder
 from sandbx_pool.workers.sandbox import remove_tree
@@ -250,6 +252,20 @@ async def test_no_abstract_unix_socket_outside_the_call(pool: Pool) -> None:
         connect = f"s = socket.socket(socket.AF_UNIX); s.connect('\\0{name}')"
         value = await bash(pool, f'{PY} -c "import socket; {connect}"')
     assert "PermissionError: [Errno 1] Operation not permitted" in value["stderr"], value
+
+
+async def test_no_listed_socket_path_names_the_pool(pool: Pool) -> None:
+    # network = true shares the host's network namespace, so /proc/net/unix lists every bound
+    # unix socket of the machine, paths included: none of the pool's may tell a call its pid or
+    # start time (which process to aim at).
+    assert pool.config.sandbox.network
+    value = await bash(pool, "cat /proc/net/unix")
+    paths = [line.split()[-1] for line in value["stdout"].splitlines()[1:] if len(line.split()) > 7]
+    assert pool._runtime_dir is not None
+    assert f"{pool._runtime_dir}/coordinator.sock" in paths  # the listing is the host's
+    me = {str(os.getpid()), str(start_time(os.getpid()))}
+    for path in paths:
+        assert not me & set(re.split(r"[/\-_.]", path)), path
 
 
 # -- processes ----------------------------------------------------------------------------------

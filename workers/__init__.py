@@ -28,6 +28,7 @@ DOCTOR_MAY_IMPORT = frozenset(
         "immortal",
         "landlock",
         "lockdown",
+        "memory_cgroup",
         "overlay",
         "rules",
         "seccomp",

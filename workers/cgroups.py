@@ -63,6 +63,12 @@ def _read(path: str) -> str:
     return data.decode()
 
 
+#: For sibling modules (workers.memory_cgroup, workers.usage): one write(2) per value, and a
+#: read without open()'s text layer.
+write = _write
+read = _read
+
+
 def start_time(pid: int) -> int | None:
     """Field 22 of /proc/PID/stat (start time, clock ticks after boot); None if the process is
     gone or a zombie. A pid is recycled; a pid with its start time names one process per boot."""

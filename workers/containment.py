@@ -38,6 +38,20 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     _libc.prctl(_libc.PR_SET_PDEATHSIG, sig, what="prctl(PR_SET_PDEATHSIG)")
 
 
+def release_standard_streams(devnull: int) -> None:
+    """Point descriptors 0, 1 and 2 at ``devnull`` (an open /dev/null, closed here).
+
+    For a process that may end up asleep in the kernel (a worker or a rules helper on a hung
+    mount): whatever the caller of the pool gave us as stdin, stdout and stderr (a pipe to
+    `cat`, a `$(...)`) must not stay open in it, or the caller's reader waits for the
+    filesystem, long after the call's outcome came back. What such a process has to say goes
+    over its socket, or is its exit status."""
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    if devnull > 2:
+        os.close(devnull)
+
+
 def set_child_subreaper() -> None:
     _libc.prctl(_libc.PR_SET_CHILD_SUBREAPER, 1, what="prctl(PR_SET_CHILD_SUBREAPER)")
 

@@ -35,7 +35,8 @@ the image's ``/bin/bash``, else its ``/bin/sh``. The root stays writable: a call
 anywhere in the image's tree, and what it writes lands in the upper directory. A pool without
 root (a user namespace per worker that maps its uid to itself) then enters one more user
 namespace, mapping uid and gid 0 to its own (``become_root``): the call is root in its
-namespace, as in a rootless container, and the files it makes are the pool user's outside.
+namespace, as in a rootless container, and the files it makes are the pool user's outside;
+an image whose config names a User gets that uid instead (workers.image_user, ``become``).
 """
 
 from __future__ import annotations
@@ -247,11 +248,23 @@ def become_root() -> None:
     """In a user namespace that maps the pool's uid to itself (a pool without root): one more,
     mapping 0 to it, so that the call is uid 0 as in a rootless container. After every mount:
     the mount namespace stays its parent's."""
+    become(0, 0)
+
+
+def become(inner_uid: int, inner_gid: int) -> None:
+    """``become_root`` for the image's User (workers.image_user): the one more user namespace
+    maps ``inner_uid`` and ``inner_gid`` to the pool's own, so that the call is them. A root
+    pool has no need of one: it switches with setuid where run_as would (workers.sandbox)."""
     uid, gid = os.geteuid(), os.getegid()
     if uid == 0:
         return
     _libc.unshare(_libc.CLONE_NEWUSER, what="unshare(CLONE_NEWUSER)")
-    for name, line in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+    maps = (
+        ("setgroups", "deny"),
+        ("uid_map", f"{inner_uid} {uid} 1"),
+        ("gid_map", f"{inner_gid} {gid} 1"),
+    )
+    for name, line in maps:
         try:
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(line)
@@ -264,6 +277,7 @@ def become_root() -> None:
 __all__ = [
     "MOUNT_POINTS",
     "ImageMountError",
+    "become",
     "become_root",
     "enter",
     "hostname_of",

@@ -29,14 +29,17 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Resource limits applied to one call's worker with setrlimit (None: inherit), and
-    ``processes``, the pids.max of the worker's cgroup (None: no limit; workers.cgroups)."""
+    """Resource limits applied to one call's worker with setrlimit (None: inherit),
+    ``processes``, the pids.max of the worker's cgroup (None: no limit; workers.cgroups), and
+    ``memory_bytes``, the memory the call's whole process tree may hold: the memory cgroup's
+    limit where the pool has one, else RLIMIT_DATA in each process (workers.usage)."""
 
     address_space_bytes: int | None = None
     cpu_seconds: int | None = None
     open_files: int | None = None
     file_size_bytes: int | None = None
     processes: int | None = None
+    memory_bytes: int | None = None
 
 
 class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -85,6 +88,10 @@ class Sandbox(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: overlay of the image's layers, entered with nothing of the host's bound in and left
     #: writable (the layer takes the writes). With ``view`` only.
     image: bool = False
+    #: The image config's User (``USER[:GROUP]``, names or numbers), looked up in the image's
+    #: own /etc/passwd and /etc/group once entered (workers.image_user). "": uid 0. With
+    #: ``image`` only.
+    image_user: str = ""
 
 
 class ExecutionContext(msgspec.Struct, frozen=True, kw_only=True):
@@ -154,6 +161,23 @@ class ShellState(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 CHANGES_LISTED = "listed"
 
 
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """What one call's whole process tree (its worker included) cost: CPU seconds in user and
+    kernel mode, the peak of its memory, the bytes it read from and wrote to storage (not the
+    page cache), and how many processes it ran (None: not known here). ``source``: "cgroup"
+    when the figures are the worker's cgroup's (memory is then what the tree held at once),
+    "rusage" when they are the kernel's accounts of the reaped processes (memory is then the
+    largest single process's peak). workers.usage measures it."""
+
+    cpu_user_s: float
+    cpu_system_s: float
+    max_rss_bytes: int
+    read_bytes: int
+    write_bytes: int
+    processes: int | None = None
+    source: Literal["cgroup", "rusage"] = "rusage"
+
+
 class ChangeReport(msgspec.Struct, frozen=True):
     """What a change set's apply did, path by path, written by its worker to a file in J.d
     (out of band: 60,000 paths are past what a Result may carry, and an answer the output
@@ -213,6 +237,8 @@ class Result(Message, tag="result"):
     changes: list[dict[str, Any]] | None = None
     #: A session's bash call (ExecutionContext.session_env): the state its shell left.
     session: ShellState | None = None
+    #: What the call cost, measured by the worker once what it started is reaped.
+    usage: Usage | None = None
 
 
 class Output(Message, tag="output"):
@@ -289,6 +315,11 @@ class Exited(Message, tag="exited"):
 
     pid: int
     returncode: int
+    #: What the worker's tree cost, as the template found it when it reaped the worker: for a
+    #: call killed before it could answer. ``memory_killed``: the kernel's OOM killer ended a
+    #: process of it for the memory limit.
+    usage: Usage | None = None
+    memory_killed: bool = False
 
 
 class SpawnFailed(Message, tag="spawn_failed"):
@@ -309,6 +340,11 @@ class TemplateReady(Message, tag="template_ready"):
     process_limit_why: str | None = None
     #: Each worker is made in a user namespace of its own (containment "pidns" without root).
     user_namespaces: bool = False
+    #: Where ``Limits.memory_bytes`` binds through a memory cgroup per worker (the pool's
+    #: cgroup, with the v2 memory controller, or a pool of the v1 memory hierarchy); None:
+    #: RLIMIT_DATA in each process instead, ``memory_limit_why`` says why.
+    memory_cgroup: str | None = None
+    memory_limit_why: str | None = None
 
 
 ToTemplate = Attach | Spawn | Shutdown | PrebuildFileRules

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import msgspec
 
 from sandbx_pool.workers import _libc, landlock, lockdown
-from sandbx_pool.workers.containment import set_parent_death_signal
+from sandbx_pool.workers.containment import release_standard_streams, set_parent_death_signal
 from sandbx_pool.workers.protocol import ExecutionContext, Sandbox
 
 SYSTEM_READ_ONLY = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
@@ -460,6 +460,7 @@ def _serve_file_rules(channel: socket.socket, workspace: str, box: Sandbox, pare
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
+        release_standard_streams(os.open(os.devnull, os.O_RDWR))
         keep = channel.fileno()
         os.closerange(3, keep)
         os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))

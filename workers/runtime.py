@@ -3,9 +3,10 @@
     rehearse -> prepare the confinement -> connect DEALER -> send Ready
     -> (no call for JOIN_WHEN_IDLE_MS: join its own pids cgroup meanwhile) -> receive Call
     -> bash, grep: join its pids cgroup (unless done while idle), cap its processes (pids.max)
-    -> confine (workers.sandbox) -> apply limits
+    -> a memory limit: join its memory cgroup with it (workers.memory_cgroup)
+    -> start measuring (workers.usage) -> confine (workers.sandbox) -> apply limits
     -> run the tool (bash: Output messages as it prints, when the call streams)
-    -> kill whatever the tool left running -> send Result -> exit
+    -> kill whatever the tool left running -> what it cost -> send Result -> exit
 
 The worker's ZeroMQ connection (workers.zmtp: a DEALER speaking ZMTP itself, no libzmq context
 and so no threads) is made here, after the fork: nothing of it crosses a fork.
@@ -34,10 +35,12 @@ from sandbx_pool.workers import (
     cgroups,
     changes,
     containment,
+    memory_cgroup,
     overlay,
     sandbox,
     stopping,
     streaming,
+    usage,
     zmtp,
 )
 from sandbx_pool.workers.errors import LimitExceeded, ToolError
@@ -87,7 +90,13 @@ _RLIMITS: dict[str, tuple[int, str]] = {
     "cpu_seconds": (resource.RLIMIT_CPU, "cpu"),
     "open_files": (resource.RLIMIT_NOFILE, "open_files"),
     "file_size_bytes": (resource.RLIMIT_FSIZE, "file_size"),
+    # Where no memory cgroup binds the call (serve() then clears it): each process's data
+    # segment, not its address space, which runtimes that reserve large ranges exceed at once.
+    "memory_bytes": (resource.RLIMIT_DATA, "memory"),
 }
+
+#: Limits set as soft values only (see apply_limits), relaxed once the tool is done.
+_SOFT_ONLY = (resource.RLIMIT_AS, resource.RLIMIT_DATA)
 
 
 #: bash itself killed by one of these signals ran into that limit (its commands inherit ours).
@@ -114,7 +123,7 @@ def apply_limits(limits: Limits) -> None:
         value = getattr(limits, field)
         if value is not None:
             _, hard = resource.getrlimit(which)
-            if which == resource.RLIMIT_AS:
+            if which in _SOFT_ONLY:
                 # The soft limit only, so that relax_limits() can give the worker back the
                 # room it needs to build and send the Result after the tool used it all up.
                 new_hard = hard
@@ -134,9 +143,13 @@ def apply_limits(limits: Limits) -> None:
 
 def relax_limits(limits: Limits) -> None:
     """Once the tool is done: nothing the worker does to answer may trip the call's limits."""
-    if limits.address_space_bytes is not None:
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+    for which, value in (
+        (resource.RLIMIT_AS, limits.address_space_bytes),
+        (resource.RLIMIT_DATA, limits.memory_bytes),
+    ):
+        if value is not None:
+            _, hard = resource.getrlimit(which)
+            resource.setrlimit(which, (hard, hard))
     if limits.cpu_seconds is not None:
         signal.signal(signal.SIGXCPU, signal.SIG_IGN)
 
@@ -166,10 +179,11 @@ def run_call(call: Call) -> Result:
             error_code=exc.code,
         )
     except MemoryError:
+        bound = ctx.limits.memory_bytes or ctx.limits.address_space_bytes
         return Result(
             call_id=ctx.call_id,
             status="error",
-            error=f"memory limit exceeded ({ctx.limits.address_space_bytes} bytes)",
+            error=f"memory limit exceeded ({bound} bytes)",
             limit="memory",
         )
     except CpuLimitExceeded:
@@ -320,6 +334,8 @@ def serve(
     file_rules: FileRules | None = None,
     *,
     pids_cgroup: str | None = None,
+    memory: memory_cgroup.WorkerMemory | None = None,
+    measure: bool = True,
     rehearse: bool = True,
 ) -> None:
     """Connect, take one call, answer it, exit.
@@ -330,7 +346,9 @@ def serve(
     the template (workers.rules). ``pids_cgroup``: the cgroup this worker makes and joins, while
     idle or for a call that runs programs, whose pids.max the call's ``Limits.processes`` sets
     (None: no pids controller is writable here, and the limit is not enforced; ``sandbx-pool
-    doctor`` says so). ``rehearse``: walk the
+    doctor`` says so). ``memory``: where a call's memory limit binds this worker (None:
+    RLIMIT_DATA instead). ``measure``: answer with what the call cost (workers.usage; False
+    only for the benchmark that weighs it). ``rehearse``: walk the
     call's path once before connecting (False for a light template's workers: see there).
     """
     # The coordinator's SIGTERM (bash's grace period) is for the command, not for us: survive it,
@@ -371,7 +389,8 @@ def serve(
         service.connection = connection
         service.open_terminal(call.args)
     processes = call.context.limits.processes
-    confinement = None
+    memory_bytes = call.context.limits.memory_bytes
+    confinement = meter = None
     try:
         if runs_programs and pids_cgroup is not None:
             # Before confine(): from then on the worker may not write to cgroupfs (Landlock
@@ -380,6 +399,7 @@ def serve(
             # of a read's CPU each, measured). With no limit too: without a PID namespace, the
             # cgroup is where what the command left is found (kill_others below).
             _cap_processes(pids_cgroup, processes, joined)
+            joined = True
         elif (
             runs_programs
             and processes is not None
@@ -390,6 +410,11 @@ def serve(
             # namespace of its own, where RLIMIT_NPROC counts this call's tasks only. The
             # outcome cannot name the limit then: nothing records a fork it refused.
             containment.limit_processes_in_own_user_namespace(processes)
+        try:
+            call, meter = usage.begin(call, memory, joined, measure=measure)
+        except OSError as exc:
+            limit = f"apply the memory limit ({memory_bytes} bytes)"
+            raise sandbox.SandboxError(f"cannot {limit}: {exc}") from exc
         if runs_programs and (call.context.layer_dir or call.context.changes_dir):
             sandbox.enter_prepared_mounts(call)
         if call.context.layer_dir is not None:
@@ -425,6 +450,9 @@ def serve(
         if denied:
             value = {**(result.value or {}), "network_denied": denied}
             result = msgspec.structs.replace(result, value=value)
+    if measure or (meter is not None and memory_bytes is not None):
+        meter = meter or usage.Meter(None)
+        result = usage.with_usage(result, meter, memory_bytes, measure=measure)
     if stop.at is not None:
         if not runs_programs or result.value is None:
             # The coordinator is stopping this call and has no use for a Result without

@@ -68,6 +68,7 @@ import msgspec
 from sandbx_pool.workers import (
     _libc,
     image_root,
+    image_user,
     landlock,
     lockdown,
     netns,
@@ -225,8 +226,9 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         # A folder of the pool's workspace, reached without a symlink: what the rules (or the
         # view) are then checked to have been built on, whatever a parallel call swaps meanwhile.
         anchor = paths.reach(ctx.workspace_root, box.view or ctx.workspace)
+        image_identity: image_user.ImageUser | None = None
         if box.view is not None:
-            _enter_view(box, owner, anchor)
+            image_identity = _enter_view(box, owner, anchor)
         if runs_programs:
             private = box.view is not None or _private_mounts(
                 box,
@@ -248,6 +250,8 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
                 env.update(link.env())
             if box.view is not None:
                 env.setdefault("TMPDIR", "/tmp")  # the view's own
+            if image_identity is not None:
+                env.setdefault("HOME", image_identity.home)  # the image's User's, as docker sets it
             home = env.get("HOME")
             if (
                 tmpdir
@@ -300,7 +304,12 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
             preloaded.drop_secrets_layer()
         else:
             rulesets.append(layer)
-        if box.uid is not None:
+        if image_identity is not None and os.geteuid() == 0:
+            # A root pool: the image's User, with the image's file owners holding against it
+            # (a pool without root was mapped to it on entering the image: image_root.become).
+            who = image_identity
+            _switch_user((who.uid, who.gid, who.groups))
+        elif box.uid is not None:
             os.setgroups(list(box.groups))
             os.setgid(box.gid if box.gid is not None else box.uid)
             os.setuid(box.uid)
@@ -537,37 +546,48 @@ def enter_prepared_mounts(call: Call) -> None:
         prepared_mounts.enter()
 
 
-def _enter_view(box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | None) -> None:
+def _enter_view(
+    box: Sandbox, owner: Identity | None, anchor: tuple[int, int] | None
+) -> image_user.ImageUser | None:
     """The mount namespace a view needs (workers.sandbox's own steps first: /proc, secrets,
     kernel files), then the view itself (workers.view). A view is never entered without them:
     where no mount namespace can be made (a pool not run as root) the call is refused.
 
     ``anchor``: the view's directory as reached without a symlink from the pool's workspace
     (workers.paths.reach). The root entered must be that directory: a view swapped for a
-    symlink to ``/`` after the walk would otherwise be entered."""
+    symlink to ``/`` after the walk would otherwise be entered.
+
+    Over an image: who the call is to be (its User, read from the image once entered), or
+    None for a view of the host's tree."""
     assert box.view is not None
     if not _private_mounts(box, None, owner, [box.view]):
         raise SandboxError(
             "a view needs a mount namespace of the call's own: run the pool as root, or where"
             " user namespaces are allowed ([sandbox] user_namespaces)"
         )
+    user = None
     try:
         if box.image:
             # A layer over an image: its overlay is the whole tree, the host's programs
-            # included; the call is root in its namespace (workers.image_root).
+            # included; the call is the image's User in its namespace, else root
+            # (workers.image_root, workers.image_user).
             layer_dir = os.path.dirname(box.view)
             image_root.enter(box.view, layer_dir, network=box.network)
             entered = os.stat("/")
-            image_root.become_root()
+            named = image_user.resolve(box.image_user)
+            image_root.become(named.uid, named.gid)
+            # An image that names no User leaves the call root, or run_as's where it is set.
+            user = named if box.image_user.strip() else None
         else:
             view.enter(box.view)
             entered = os.stat("/")
-    except image_root.ImageMountError as exc:
+    except (image_root.ImageMountError, image_user.ImageUserError) as exc:
         raise SandboxError(str(exc)) from None
     except OSError as exc:
         raise SandboxError(f"cannot enter the view {box.view}: {exc}") from exc
     if anchor is not None and (entered.st_dev, entered.st_ino) != anchor:
         raise SandboxError(f"the view {box.view} changed while it was entered")
+    return user
 
 
 def _follow_no_symlinks(workspace: str) -> None:

@@ -273,6 +273,10 @@ class RemoveTempsArgs(ToolArgs):
     paths: list[str]
 
 
+class CheckWorkspaceArgs(ToolArgs):
+    """Internal: whether the call's workspace is a directory (Pool.start asks once)."""
+
+
 class ApplyChangesArgs(ToolArgs):
     """Internal: scan a call's overlay upper directory and, with ``apply``, apply it to the
     workspace (workers.tools.changes). ``taken``: paths other calls applied since this call
@@ -336,6 +340,7 @@ CHANGE_ACTIONS = frozenset({"_apply_changes", "_undo_changes"})
 
 INTERNAL_TOOL_ARGS: dict[str, type[ToolArgs]] = {
     "_remove_temps": RemoveTempsArgs,
+    "_check_workspace": CheckWorkspaceArgs,
     "_apply_changes": ApplyChangesArgs,
     "_undo_changes": UndoChangesArgs,
     "_layer_open": LayerOpenArgs,

@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import resource
 import select
 import selectors
 import signal
@@ -47,11 +48,13 @@ from sandbx_pool.workers import (
     containment,
     immortal,
     lockdown,
+    memory_cgroup,
     prepared_mounts,
     rules,
     runtime,
     sandbox,
     seccomp,
+    usage,
     zmtp,
 )
 from sandbx_pool.workers.procfs import children
@@ -70,8 +73,13 @@ from sandbx_pool.workers.protocol import (
 )
 from sandbx_pool.workers.schemas import parse_args
 
-#: How long shutdown waits to reap the workers it killed before leaving the stuck ones behind.
-SHUTDOWN_REAP_S = 2.0
+#: How long shutdown waits, in all, to reap the workers it killed and remove their cgroups
+#: before leaving the stuck ones behind. A killed worker that is not stuck dies in milliseconds;
+#: the pool's close() promises to wait at most 2 s for one that is (docs/design.md), and this is
+#: most of that.
+SHUTDOWN_WAIT_S = 1.5
+#: The part of it kept for the cgroups (a stuck worker's cannot be removed anyway).
+SHUTDOWN_CGROUP_S = 0.25
 
 #: How many times the template walks a worker's path before its first fork. CPython 3.11
 #: specializes a function's bytecode after its 8th call, and its inline caches settle over the
@@ -96,6 +104,10 @@ SCRATCH = "/tmp"
 #: Set to "subreaper" in the template's environment to use the subreaper fallback even where
 #: PID namespaces are available.
 CONTAINMENT_ENV = "SANDBX_POOL_CONTAINMENT"
+
+#: Set to "off" in the template's environment to measure no call (outcome.usage None): for
+#: the benchmark that weighs what measuring costs (bench.usage), not for users.
+USAGE_ENV = "SANDBX_POOL_USAGE"
 
 
 class Template:
@@ -122,12 +134,17 @@ class Template:
         # waits for its call). A pipe whose write end siblings briefly share cannot promise that.
         self.own_pidfd = os.pidfd_open(os.getpid())
         self.wakeup_read, self.wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        #: Every worker's stdin, stdout and stderr (containment.release_standard_streams).
+        self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         self.selector = selectors.DefaultSelector()
         # The file tools' Landlock ruleset, once the coordinator has said for which workspace.
         self.file_rules: rules.FileRules | None = None
-        self.pids_cgroup, self.process_limit_why = _make_pids_cgroup()
+        self.pids_cgroup, self.process_limit_why, pids_version = _make_pids_cgroup()
+        memory_pool, self.memory_limit_why = memory_cgroup.find(self.pids_cgroup, pids_version)
+        self.memories = memory_cgroup.WorkerMemories(memory_pool)
         self.worker_cgroups: dict[int, str] = {}  # worker pid -> its cgroup's name
         self.unremoved: set[str] = set()  # cgroups of reaped workers still to be removed
+        self.measure = os.environ.get(USAGE_ENV) != "off"
         #: The bash calls' prepared mount namespace (workers.prepared_mounts), made at Attach.
         self.mounts: prepared_mounts.Refresher | None = None
 
@@ -149,9 +166,9 @@ class Template:
         self.selector.register(self.control, selectors.EVENT_READ, "control")
         self.selector.register(self.wakeup_read, selectors.EVENT_READ, "signals")
         while True:
-            timeout = CGROUP_RETRY_S if self.unremoved else None
-            ready = self.selector.select(timeout)
-            if self.unremoved:
+            unremoved = self.unremoved or self.memories.unremoved
+            ready = self.selector.select(CGROUP_RETRY_S if unremoved else None)
+            if unremoved:
                 self.remove_worker_cgroups()
             for key, _ in ready:
                 if key.data == "signals":
@@ -225,6 +242,8 @@ class Template:
                 pids_cgroup=self.pids_cgroup.path if self.pids_cgroup is not None else None,
                 process_limit_why=self.process_limit_why,
                 user_namespaces=self.namespaces is not None and self.namespaces.user_namespace,
+                memory_cgroup=None if self.memories.pool is None else self.memories.pool.path,
+                memory_limit_why=self.memory_limit_why or None,
             )
         )
 
@@ -249,6 +268,7 @@ class Template:
         self.workers.add(pid)
         if self.pids_cgroup is not None:
             self.worker_cgroups[pid] = cgroup
+        self.memories.forked(pid, cgroup)
         self.send(Spawned(token=token, pid=pid))
 
     def fork_once(self) -> int:
@@ -300,6 +320,7 @@ class Template:
                 except OSError as exc:
                     print(f"worker cannot join the idle cgroup: {exc}", file=sys.stderr)
                     os._exit(EXIT_NO_CGROUP)
+            containment.release_standard_streams(self.devnull)
             assert self.endpoint is not None  # on_control forks only once Attach came
             runtime.serve(
                 token,
@@ -307,6 +328,8 @@ class Template:
                 self.own_pidfd,
                 self.file_rules,
                 pids_cgroup=cgroup_path,
+                memory=self.memories.for_worker(cgroup, cgroup_path),
+                measure=self.measure,
                 rehearse=self.rehearsed,
             )
         except BaseException:
@@ -323,7 +346,9 @@ class Template:
         reaped_any = False
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                # wait4: the worker's rusage, with its reaped tree's, for a call it could not
+                # answer (workers.usage).
+                pid, status, rusage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
@@ -331,12 +356,10 @@ class Template:
             reaped_any = True
             if pid in self.workers:
                 self.workers.discard(pid)
-                exited.append(Exited(pid=pid, returncode=os.waitstatus_to_exitcode(status)))
-                if (cgroup := self.worker_cgroups.pop(pid, None)) is not None:
-                    self.unremoved.add(cgroup)
+                exited.append(self.exited(pid, status, rusage))
         # Kill what the worker left in its cgroup (subreaper mode: what setsid() or a double fork
         # took out of its group) before the coordinator hears of the exit.
-        if self.unremoved:
+        if self.unremoved or self.memories.unremoved:
             self.remove_worker_cgroups()
         # Subreaper mode: sweep after every reap, an orphan's included. Killing an orphan
         # reparents its own children to us, and its death (this SIGCHLD) is when to catch them;
@@ -347,13 +370,31 @@ class Template:
         for message in exited:
             self.send(message)
 
+    def exited(self, pid: int, status: int, rusage: resource.struct_rusage) -> Exited:
+        """The notice of worker ``pid``'s exit, with what its tree cost and whether its memory
+        limit killed in it, read from its cgroups before they are removed."""
+        measured = usage.from_wait4(rusage) if self.measure else None
+        path = None
+        if (cgroup := self.worker_cgroups.pop(pid, None)) is not None:
+            assert self.pids_cgroup is not None
+            self.unremoved.add(cgroup)
+            path = self.pids_cgroup.worker_path(cgroup)
+            if not os.path.isdir(path):  # the worker never made it (a busy file tool's)
+                path = None
+        killed = self.memories.reaped(pid, path)
+        if measured is not None and path is not None and self.memories.in_pids_cgroups:
+            measured = usage.from_cgroup(path, measured)  # v2, with memory accounting
+        returncode = os.waitstatus_to_exitcode(status)
+        return Exited(pid=pid, returncode=returncode, usage=measured, memory_killed=killed)
+
     def remove_worker_cgroups(self) -> None:
-        """Kill what is left in each reaped worker's cgroup and remove it; one try each, the
-        rest on the loop's next turn (a member still exiting keeps it busy)."""
-        assert self.pids_cgroup is not None
+        """Kill what is left in each reaped worker's cgroups and remove them; one try each,
+        the rest on the loop's next turn (a member still exiting keeps it busy)."""
         for cgroup in list(self.unremoved):
+            assert self.pids_cgroup is not None
             if self.pids_cgroup.end_worker(cgroup):
                 self.unremoved.discard(cgroup)
+        self.memories.remove()
 
     def sweep_orphans(self) -> None:
         """Subreaper mode: kill what a dead worker's descendants left reparented to us."""
@@ -371,7 +412,7 @@ class Template:
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-        deadline = time.monotonic() + SHUTDOWN_REAP_S
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S - SHUTDOWN_CGROUP_S
         # Until we have no child at all, not just no worker: in subreaper mode the orphans a
         # dying worker leaves come to us, and leaving before sweeping them would hand them to
         # init, alive.
@@ -385,21 +426,22 @@ class Template:
         # dies (its PDEATHSIG fires with us) when the kernel lets it go. Its cgroup stays: the
         # next template's cleanup_stale removes it.
         if self.pids_cgroup is not None:
-            self.pids_cgroup.close()
+            self.pids_cgroup.close(SHUTDOWN_CGROUP_S)
+        self.memories.close()
 
 
-def _make_pids_cgroup() -> tuple[cgroups.PoolCgroup | None, str | None]:
-    """The template's pool of worker cgroups, after removing those of dead templates; or None
-    and why the process limit cannot be enforced here."""
+def _make_pids_cgroup() -> tuple[cgroups.PoolCgroup | None, str | None, int | None]:
+    """The template's pool of worker cgroups, after removing those of dead templates, and its
+    cgroup version; or None and why the process limit cannot be enforced here."""
     reasons: list[str] = []
     hierarchy = cgroups.find_pids_hierarchy(reasons)
     if hierarchy is None:
-        return None, "; ".join(reasons)
+        return None, "; ".join(reasons), None
     try:
         hierarchy.cleanup_stale()
-        return hierarchy.create_pool(), None
+        return hierarchy.create_pool(), None, hierarchy.version
     except OSError as exc:
-        return None, f"cannot make the pool's cgroup in {hierarchy.base}: {exc}"
+        return None, f"cannot make the pool's cgroup in {hierarchy.base}: {exc}", None
 
 
 def _wake_loop(signum: int, frame: object) -> None:

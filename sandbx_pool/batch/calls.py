@@ -5,6 +5,7 @@ Each non-blank line of CALLS.jsonl is a JSON object::
     {"tool": "read", "args": {"path": "a.txt"}, "timeout": 5, "id": "c1", "cwd": "src",
      "after": ["c0"], "workspace": "episode-7", "changes": "transactional", "session": "ep7"}
     {"tool": "bash", "args": {"command": "pytest"}, "base": "repos/django", "layer": "s-17"}
+    {"tool": "bash", "args": {"command": "pytest"}, "image": "swe/django:4.2", "layer": "t-3"}
 
 ``tool`` is required; ``args`` defaults to ``{}``; ``timeout`` (seconds) defaults to the
 config's ``calls.timeout_s``; ``cwd`` to the workspace root. ``workspace`` names a folder under
@@ -30,6 +31,13 @@ the repository never written. Every line of a layer names the same ``base`` or n
 calls run one at a time, whatever ``--parallel`` says; ``workspace`` and a ``changes`` other
 than direct do not go with ``layer``. The layers stay after the run (``Layer.diff`` lists what
 a sample changed; remove them with ``Layer.remove``).
+
+``image`` instead of ``base`` lays the layer over a container image (``Pool.layer``'s
+``image``: the image is the call's ``/``): a reference as ``sandbx-pool image pull`` takes it
+(a relative ``oci:`` path is from the directory the run starts in), checked here for form and
+kept canonical (``images.refs``). Every line of a layer names the same image or none, and no
+line of it a ``base``. Each image is found in the store or pulled
+once per run, by the first line that needs it; later layers over it take the same one.
 
 ``id`` is what ``--resume`` and the journal know the call by. Without one, the id is derived
 from the line's content, not its position: ``sha256`` of the canonical JSON of tool, args,
@@ -60,6 +68,7 @@ import msgspec
 from sandbx_pool import allow_list
 from sandbx_pool.config import change_mode
 from sandbx_pool.errors import SandbxPoolError
+from sandbx_pool.images.refs import parse_ref
 from sandbx_pool.layer_store import check_name
 from sandbx_pool.sessions import check_id
 from sandbx_pool.workers.schemas import TOOL_ARGS, UnknownTool, parse_args
@@ -77,6 +86,7 @@ LINE_KEYS: Final = (
     "changes",
     "layer",
     "base",
+    "image",
     "session",
     "network",
 )
@@ -106,6 +116,8 @@ class CallSpec(msgspec.Struct, frozen=True, kw_only=True):
     layer: str | None = None
     #: Its base (relative: under the workspace root), as any line of the layer names it.
     base: str | None = None
+    #: The image it lies over instead (a canonical reference), as any line of the layer names it.
+    image: str | None = None
     #: The shell session it runs in (sandbx_pool.sessions), or None.
     session: str | None = None
     #: The call's network (sandbx_pool.allow_list), or None: the config's.
@@ -199,6 +211,7 @@ def parse_batch(lines: Iterable[bytes | str], path: str = "<calls>") -> BatchFil
                 latest[session] = spec.call_id
             seen_ids[spec.call_id] = number
             calls.append(spec)
+    calls = _same_images(calls, problems)  # first: a base it finds is one a line names
     calls = _same_bases(calls, problems)
     if problems:
         raise BatchFileError(path, problems[:MAX_REPORTED], len(problems))
@@ -248,6 +261,7 @@ def _parse_line(
         except ValueError as exc:
             raise _BadLine(f'"changes" {str(exc).removeprefix("changes ")}') from None
     layer, base = _layer(item, workspace, changes)
+    image = _image(item.get("image"), layer, base)
     network = None
     if item.get("network") is not None:
         try:
@@ -274,6 +288,7 @@ def _parse_line(
         changes=changes,
         layer=layer,
         base=base,
+        image=image,
         session=session,
         network=network,
     )
@@ -312,6 +327,57 @@ def _layer(
     if os.path.isabs(base):
         return layer, os.path.normpath(base)
     return layer, _workspace(base) or "."
+
+
+def _image(value: Any, layer: str | None, base: str | None) -> str | None:
+    """A line's ``image``: a reference of the right form, for a layer with no base."""
+    if value is None:
+        return None
+    if layer is None:
+        raise _BadLine('"image" needs "layer": the layer the call runs in over it')
+    if base is not None:
+        raise _BadLine('"base" and "image" do not go together: a layer lies over one of them')
+    if not isinstance(value, str):
+        raise _BadLine(f'"image" must be an image reference, got {_json_type(value)}')
+    try:
+        # Canonical: two spellings of one image are one image (``python`` and
+        # ``docker.io/library/python:latest``), and a relative ``oci:`` path is the run's.
+        return parse_ref(value).canonical
+    except ValueError as exc:
+        raise _BadLine(f'"image": {exc}') from None
+
+
+def _same_images(calls: list[CallSpec], problems: list[LineProblem]) -> list[CallSpec]:
+    """Every line of a layer with its image (the one its lines name; two are a problem, and
+    so is a base on one line and an image on another)."""
+    images: dict[str, tuple[str, int]] = {}
+    for spec in calls:
+        if spec.layer is not None and spec.image is not None:
+            known = images.setdefault(spec.layer, (spec.image, spec.line))
+            if known[0] != spec.image:
+                problems.append(
+                    LineProblem(
+                        spec.line,
+                        f"layer {spec.layer!r} is over image {known[0]!r} (line {known[1]}),"
+                        f" not {spec.image!r}",
+                    )
+                )
+    for spec in calls:
+        if spec.layer in images and spec.base is not None:
+            image, line = images[spec.layer]
+            problems.append(
+                LineProblem(
+                    spec.line,
+                    f"layer {spec.layer!r} is over image {image!r} (line {line}), not over"
+                    f" {spec.base!r}",
+                )
+            )
+    return [
+        msgspec.structs.replace(spec, image=images[spec.layer][0])
+        if spec.layer is not None and spec.layer in images
+        else spec
+        for spec in calls
+    ]
 
 
 def _same_bases(calls: list[CallSpec], problems: list[LineProblem]) -> list[CallSpec]:

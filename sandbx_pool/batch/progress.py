@@ -32,6 +32,7 @@ from typing import Final, TextIO
 
 from sandbx_pool.batch.calls import CallSpec
 from sandbx_pool.batch.run import BatchReport
+from sandbx_pool.journal.costs import summary_line, totals
 from sandbx_pool.journal.reader import percentile
 from sandbx_pool.outcome import Outcome
 from sandbx_pool.tables import status_order, text_table
@@ -203,7 +204,10 @@ async def showing(progress: Progress | None) -> AsyncIterator[None]:
 
 
 def format_summary(report: BatchReport) -> list[str]:
-    """The table printed when a run ends: counts by status and tool, latency, slowest calls."""
+    """The table printed when a run ends: counts by status and tool, latency, slowest calls.
+
+    It names no command: what runs the rest depends on who ran the batch (``run`` prints the
+    exact ``--resume`` or ``--rerun-started`` command after it; ``demo`` has neither)."""
     rate = len(report.results) / report.wall_s if report.wall_s > 0 else 0.0
     skipped = ""
     if report.in_doubt:
@@ -219,7 +223,9 @@ def format_summary(report: BatchReport) -> list[str]:
     ]
     if report.not_run:
         why = "stopped" if report.stopped else "not run"
-        lines.append(f"{report.not_run} of {report.total} call(s) {why}: run again with --resume")
+        if report.held and not report.stopped:
+            why = "not run: they come after a call in doubt"
+        lines.append(f"{report.not_run} of {report.total} call(s) {why}")
     if report.failure:
         lines.append(f"failure: {report.failure}")
     if report.results:
@@ -230,6 +236,13 @@ def format_summary(report: BatchReport) -> list[str]:
         durations = sorted(outcome.duration_s for _, outcome in report.results)
         p50, p99 = percentile(durations, 50.0), percentile(durations, 99.0)
         lines += ["", f"latency: p50 {p50:.3f} s, p99 {p99:.3f} s, max {durations[-1]:.3f} s"]
+        started = [
+            (spec.call_id, spec.tool, str(outcome.status), outcome.usage)
+            for spec, outcome in report.results
+            if outcome.started
+        ]
+        if started:
+            lines.append(summary_line(totals(started)))
         lines += ["", f"slowest {min(len(report.results), 5)}:"]
         lines += [
             f"  {outcome.duration_s:8.3f} s  line {spec.line:<6} {spec.tool:<5} "

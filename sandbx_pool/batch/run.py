@@ -1,12 +1,14 @@
 """Running a batch through one Pool: bounded lanes, ordering by ``after``, stop, resume.
 
-    CallSpecs (file order) --shared iterator--> ``parallel`` lanes, each: take the next spec,
-        wait for its ``after`` calls, await pool.call(...), record the Outcome --> BatchReport
+    CallSpecs (file order) --_ReadyLines--> ``parallel`` lanes, each: take the next ready
+        spec, await pool.call(...), record the Outcome, release what comes after it --> BatchReport
 
 A fixed set of lanes, not one task per line: a 20,000-line batch must not put 20,000 tasks
-(and 20,000 journal intents) in front of ``workers`` busy workers. Lanes take specs in file
-order, so every ``after`` dependency (always an earlier line) has been taken by some lane and
-will finish: waiting on it cannot deadlock.
+(and 20,000 journal intents) in front of ``workers`` busy workers. A lane takes only a line
+whose ``after`` calls (and its session's previous line) have ended, the first such in file
+order: a line still waiting holds no lane, so ``parallel`` calls are in flight whenever that
+many are ready. Every ``after`` dependency is an earlier line, so some line is always ready
+while any is left and none is in flight: it cannot deadlock.
 
 Stopping: when ``stop`` is set (the command's Stopper saw a signal and is closing the pool)
 lanes take no more specs; the calls in flight end as ``cancelled`` with killer ``shutdown``
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import os
 import re
 import time
@@ -43,6 +46,7 @@ import msgspec
 from sandbx_pool.batch.calls import CallSpec
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.errors import PoolClosed, SandbxPoolError
+from sandbx_pool.images.image import Image
 from sandbx_pool.journal.reader import (
     call_ledger,
     is_node_lost,
@@ -79,14 +83,16 @@ def finished_call_ids(path: str | os.PathLike[str]) -> set[str]:
 
 class ResumePlan(msgspec.Struct, frozen=True, kw_only=True):
     """What ``run --resume`` skips: ``finished`` calls, and ``in_doubt`` ones (id -> tool)
-    whose side effect may have happened, unless they are re-run on purpose. ``seen``: every
-    id the journal holds; ``workspaces``: each id's workspace as its latest intent recorded
-    it, the latest intent last."""
+    whose side effect may have happened, unless they are re-run on purpose (``doubts``: why,
+    id -> text). ``seen``: every id the journal holds; ``workspaces``: each id's workspace as
+    its latest intent recorded it, the latest intent last."""
 
     finished: set[str]
     in_doubt: dict[str, str]
     seen: set[str] = msgspec.field(default_factory=set)
     workspaces: dict[str, str] = msgspec.field(default_factory=dict)
+    #: Why each call in doubt is (``journal.reader.Doubt``): id -> its text.
+    doubts: dict[str, str] = msgspec.field(default_factory=dict)
 
     def skip(self, *, rerun_started: bool) -> set[str]:
         return self.finished if rerun_started else self.finished | set(self.in_doubt)
@@ -119,6 +125,7 @@ def resume_plan(path: str | os.PathLike[str]) -> ResumePlan:
         in_doubt={call.call_id: call.tool for call in ledger.in_doubt},
         seen=ledger.seen,
         workspaces=ledger.workspaces,
+        doubts={call.call_id: str(call.why) for call in ledger.in_doubt},
     )
 
 
@@ -211,13 +218,11 @@ async def run_batch(
     doubtful = [spec.call_id for spec in calls if spec.call_id in skip and spec.call_id in in_doubt]
     report = BatchReport(total=len(calls), skipped=len(calls) - len(todo), in_doubt=doubtful)
     report.journal = pool.journal.path if pool.journal is not None else None
-    # Only the calls something waits for need an event; the rest stay cheap.
-    awaited = {dependency for spec in todo for dependency in spec.after}
-    finished = {spec.call_id: asyncio.Event() for spec in todo if spec.call_id in awaited}
-    queue = iter(todo)
+    ready = _ReadyLines(todo)
     held = set(doubtful)  # in doubt, or after a call in doubt: not run
     halt = asyncio.Event()  # our own reason to stop: the pool failed under us
     # Opened once: each output file is made relative to it (_output_file says why).
+    pulls = _Pulls(pool) if isinstance(pool, Pool) else None
     outputs = None
     if output_dir is not None:
         outputs = os.open(output_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -226,15 +231,11 @@ async def run_batch(
         return halt.is_set() or (stop is not None and stop.is_set())
 
     async def lane() -> None:
-        for spec in queue:  # shared: each spec is taken by exactly one lane, in file order
+        # Each spec is taken by exactly one lane, once what it comes after has ended: a line
+        # still waiting holds no lane, so ``parallel`` calls run whenever that many are ready.
+        while (spec := await ready.take(stopping)) is not None:
             sink: _OutputFile | None = None
             try:
-                for dependency in spec.after:
-                    event = finished.get(dependency)  # None: skipped (a past run, in doubt)
-                    if event is not None:
-                        await event.wait()
-                if stopping():
-                    return
                 if held.intersection(spec.after):
                     # What it comes after may or may not have happened: so may not this one.
                     held.add(spec.call_id)
@@ -246,7 +247,9 @@ async def run_batch(
                 extra: dict[str, Any] = {}
                 if spec.layer is not None:
                     try:
-                        extra["workspace"] = await _layer(pool, spec)
+                        extra["workspace"] = await _layer(pool, spec, pulls)
+                    except PoolClosed:
+                        return  # closed by a stop while the layer was being made
                     except (ValueError, SandbxPoolError) as exc:
                         if report.failure is None:
                             report.failure = f"line {spec.line}: {exc}"
@@ -291,9 +294,8 @@ async def run_batch(
             finally:
                 if sink is not None:
                     sink.close()
-                # Set whatever happened, so a call waiting on this one never waits forever.
-                if (event := finished.get(spec.call_id)) is not None:
-                    event.set()
+                # Whatever happened, so a call waiting on this one never waits forever.
+                ready.ended(spec)
 
     # The batch's span (when the pool sends spans): each call's span is its child.
     span = (
@@ -303,17 +305,69 @@ async def run_batch(
             "sandbx-pool run", **{"sandbx.calls": len(todo), "sandbx.skipped": report.skipped}
         )
     )
+    # A lane waiting for a line to be ready must see a stop too.
+    watch = None if stop is None else asyncio.create_task(ready.wake_on(stop))
     try:
         with span:
             async with asyncio.TaskGroup() as lanes:
                 for number in range(min(parallel, len(todo))):
                     lanes.create_task(lane(), name=f"batch-lane-{number}")
     finally:
+        if watch is not None:
+            watch.cancel()
         if outputs is not None:
             os.close(outputs)
+        if pulls is not None:
+            pulls.close()
         report.wall_s = time.monotonic() - report.started_at
         report.stopped = stop is not None and stop.is_set()
     return report
+
+
+class _ReadyLines:
+    """The lines not yet taken, handed out in file order as they become ready: once each line
+    they come ``after`` (an explicit ``after``, or their session's previous line) has ended.
+    A line that depends on a skipped one (finished earlier, in doubt) waits for nothing."""
+
+    def __init__(self, todo: list[CallSpec]) -> None:
+        ids = {spec.call_id for spec in todo}
+        self._waiting: dict[str, int] = {}
+        self._dependents: dict[str, list[tuple[int, CallSpec]]] = {}
+        self._ready: list[tuple[int, CallSpec]] = []
+        for index, spec in enumerate(todo):
+            after = {dependency for dependency in spec.after if dependency in ids}
+            for dependency in after:
+                self._dependents.setdefault(dependency, []).append((index, spec))
+            if after:
+                self._waiting[spec.call_id] = len(after)
+            else:
+                self._ready.append((index, spec))
+        self._untaken = len(todo)
+        #: Set when a line ended or a stop came: the lanes waiting look again.
+        self._changed = asyncio.Event()
+
+    async def take(self, stopping: Callable[[], bool]) -> CallSpec | None:
+        """The next ready line in file order, waiting for one; None once every line is
+        taken, or on a stop."""
+        while not stopping() and self._untaken > 0:
+            if self._ready:
+                self._untaken -= 1
+                return heapq.heappop(self._ready)[1]
+            self._changed.clear()  # no await since the look: no wake-up lost
+            await self._changed.wait()
+        return None
+
+    def ended(self, spec: CallSpec) -> None:
+        """``spec`` ended (ran, was held, or its lane gave up): the lines after it may run."""
+        for index, dependent in self._dependents.pop(spec.call_id, []):
+            self._waiting[dependent.call_id] -= 1
+            if self._waiting[dependent.call_id] == 0:
+                heapq.heappush(self._ready, (index, dependent))
+        self._changed.set()
+
+    async def wake_on(self, event: asyncio.Event) -> None:
+        await event.wait()
+        self._changed.set()
 
 
 class _OutputFile:
@@ -337,10 +391,39 @@ class _OutputFile:
 _OUTPUT_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-async def _layer(pool: Pool | RayPool, spec: CallSpec) -> Any:
-    """The layer a line runs in (its path on a RayPool's node), made over its base by the
-    first line that needs it; a relative base is under the workspace root (batch.calls)."""
+class _Pulls:
+    """The run's images, each found in the store or pulled once: the first line that needs
+    one starts it, and the lines that need it meanwhile wait for the same (an image ingested
+    by one lane is not looked up again by the next line, nor pulled twice by two lanes)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+        self._images: dict[str, asyncio.Task[Image]] = {}
+
+    async def image(self, ref: str) -> Image:
+        task = self._images.get(ref)
+        if task is None:
+            task = asyncio.create_task(self._pool.image(ref), name=f"batch-image {ref}")
+            self._images[ref] = task
+        # Shielded: a lane stopped while it waits does not cancel the others' pull.
+        return await asyncio.shield(task)
+
+    def close(self) -> None:
+        """The run is over: a pull no lane waits for any more is not waited for either (its
+        thread ends with the pull; the store leaves nothing half-made)."""
+        for task in self._images.values():
+            task.cancel()
+
+
+async def _layer(pool: Pool | RayPool, spec: CallSpec, pulls: _Pulls | None) -> Any:
+    """The layer a line runs in (its path on a RayPool's node), made over its base or its
+    image by the first line that needs it; a relative base is under the workspace root
+    (batch.calls). A RayPool takes no image (cli.batch refuses such a file)."""
     assert spec.layer is not None
+    if spec.image is not None:
+        if pulls is None or not isinstance(pool, Pool):
+            raise ValueError("a layer over an image needs a local pool")
+        return await pool.layer(spec.layer, image=await pulls.image(spec.image))
     root = pool.workspace if isinstance(pool, Pool) else pool.workspace_root
     # Lexical: the base is a workspace, which only a worker touches.
     joined = None if spec.base is None else os.path.join(root, spec.base)

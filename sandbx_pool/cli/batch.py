@@ -30,13 +30,20 @@ import argparse
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
 from sandbx_pool.batch.calls import BatchFile, BatchFileError, load_batch
 from sandbx_pool.cli.arguments import positive_int
 from sandbx_pool.cli.checks import workspace_problem
 from sandbx_pool.config import ChangeMode, Config, load_config
-from sandbx_pool.errors import ConfigError, SandbxPoolError
+from sandbx_pool.errors import (
+    ConfigError,
+    JournalError,
+    JournalLocked,
+    SandbxPoolError,
+    WorkspaceError,
+)
 from sandbx_pool.logs import logger
 
 if TYPE_CHECKING:
@@ -164,6 +171,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config.workspace.changes != "direct" or any(spec.changes for spec in batch.calls)
     ):
         return _usage_error("run", "tracked and transactional calls need a local pool, not --ray")
+    if args.ray is not None and any(spec.image for spec in batch.calls):
+        return _usage_error("run", "layers over images need a local pool, not --ray")
     if args.ray is not None and any(spec.session for spec in batch.calls):
         return _usage_error("run", "shell sessions need a local pool, not --ray")
     if args.ray is not None and not _ray_installed():
@@ -211,7 +220,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     in_doubt = set(plan.in_doubt) & ids
     if in_doubt and args.rerun_started:
         logger.warning("--rerun-started: running {} call(s) in doubt again", len(in_doubt))
-    return _run(batch, config, args, plan.skip(rerun_started=args.rerun_started), in_doubt)
+    skip = plan.skip(rerun_started=args.rerun_started)
+    return _run(batch, config, args, skip, in_doubt, plan.doubts)
 
 
 def _earlier_run(journal: str | None, *, resume: bool) -> ResumePlan | None:
@@ -280,7 +290,12 @@ def _warn_about_arguments(batch: BatchFile) -> None:
 
 
 def _run(
-    batch: BatchFile, config: Config, args: argparse.Namespace, skip: set[str], in_doubt: set[str]
+    batch: BatchFile,
+    config: Config,
+    args: argparse.Namespace,
+    skip: set[str],
+    in_doubt: set[str],
+    doubts: Mapping[str, str] | None = None,
 ) -> int:
     from sandbx_pool.batch.progress import Progress, format_summary, showing
     from sandbx_pool.batch.run import run_batch
@@ -320,15 +335,20 @@ def _run(
         except SandbxPoolError as exc:  # a locked journal, a template that cannot start
             print(f"sandbx-pool run: {exc}", file=sys.stderr)
             if report is None:
-                return EXIT_FAILED
+                # A --journal that cannot be opened, or that another pool holds, is the
+                # command's input, as a bad workspace is: refused before anything ran.
+                refused = isinstance(exc, JournalError | JournalLocked | WorkspaceError)
+                return EXIT_USAGE if refused else EXIT_FAILED
         assert report is not None
         if stopper.signum is not None:
             report.stopped = True
         # After the pool closed: the journal is flushed, so the summary's path is complete.
         print("\n".join(format_summary(report)), flush=True)
         if report.in_doubt:
-            print("\n".join(_in_doubt_lines(report, batch, args)), flush=True)
-        if report.not_run and report.journal:
+            print("\n".join(_in_doubt_lines(report, batch, args, doubts)), flush=True)
+        # --resume runs what a stop or a failure left; what is in doubt (or held after it)
+        # only --rerun-started runs, which the lines above name.
+        if report.not_run > len(report.held) and report.journal:
             print(f"resume with: {resume_command(args, report.journal)}", flush=True)
         if args.timeline is not None:
             _write_timeline(args.timeline, report.journal)
@@ -380,22 +400,40 @@ def _ray_installed() -> bool:
     return importlib.util.find_spec("ray") is not None
 
 
-def _in_doubt_lines(report: BatchReport, batch: BatchFile, args: argparse.Namespace) -> list[str]:
+#: How each reason a call is in doubt (journal.reader.Doubt) reads after its line.
+_DOUBT_TEXT: Final = {
+    "no outcome": "no outcome: the run that started it never saw it end",
+    "stopped after it started": "cancelled by a stop after it had started",
+    "lost with its node after it started": "lost with its Ray node after it had started",
+}
+
+
+def _in_doubt_lines(
+    report: BatchReport,
+    batch: BatchFile,
+    args: argparse.Namespace,
+    doubts: Mapping[str, str] | None,
+) -> list[str]:
     by_id = {spec.call_id: spec for spec in batch.calls}
     lines = [
-        f"skipped {len(report.in_doubt)} call(s) in doubt: an earlier run started them and"
-        " never saw them end, so their side effect may have happened:"
+        f"skipped {len(report.in_doubt)} call(s) in doubt: an earlier run started them, so"
+        " their side effect may have happened:"
     ]
     for call_id in report.in_doubt[:SHOWN_IN_DOUBT]:
         spec = by_id[call_id]
-        lines.append(f"  {call_id}  {spec.tool}  (line {spec.line})")
+        why = (doubts or {}).get(call_id)
+        lines.append(
+            f"  {call_id}  {spec.tool}  (line {spec.line})"
+            + (f": {_DOUBT_TEXT.get(why, why)}" if why else "")
+        )
     if len(report.in_doubt) > SHOWN_IN_DOUBT:
         lines.append(f"  ... and {len(report.in_doubt) - SHOWN_IN_DOUBT} more")
     if report.held:
         lines.append(f"held back {len(report.held)} call(s) that come after them")
     journal = report.journal or args.journal
     lines.append(
-        "check them, then run them again with: " + resume_command(args, journal, rerun_started=True)
+        "--resume runs them no more; check them, then run them again with: "
+        + resume_command(args, journal, rerun_started=True)
     )
     return lines
 

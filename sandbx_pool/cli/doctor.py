@@ -35,6 +35,7 @@ from sandbx_pool.workers import (
     containment,
     immortal,
     landlock,
+    memory_cgroup,
 )
 from sandbx_pool.workers.rg_binary import find_rg
 
@@ -218,6 +219,30 @@ def _process_limit_check(
         f"[limits] processes is not enforced ({'; '.join(pids_why)}; {v2}); a fork bomb fails "
         "only the calls that find no pid for their worker, the pool keeps serving",
     )
+
+
+def memory_checks(pids: cgroups.PidsHierarchy | None) -> list[Check]:
+    """How ``[limits] memory_mb`` (Limits.memory_bytes) binds a call here, and where
+    ``outcome.usage`` comes from (workers.memory_cgroup, workers.usage)."""
+    where, version, why = memory_cgroup.probe(pids)
+    limit = Check(
+        "per-call memory limit",
+        where is not None,
+        f"[limits] memory_mb binds each call's whole process tree: a memory cgroup per worker in"
+        f" {where} (cgroup v{version}); the kernel's OOM kill ends the call crashed, limit"
+        ' "memory"',
+        f"[limits] memory_mb is RLIMIT_DATA in each process ({why}): it bounds each process"
+        " alone, a command may raise it, and an allocation past it fails instead of a kill",
+    )
+    usage = Check(
+        "per-call usage (outcome.usage)",
+        version == 2,
+        "source cgroup: each worker's cgroup's cpu.stat, memory.peak and io.stat (the tree's"
+        " peak at once)",
+        "source rusage: the accounts of the worker and every process it reaped (peak memory"
+        " is the largest process's)",
+    )
+    return [limit, usage]
 
 
 def user_namespaces_check(found: str, why: str) -> Check:
@@ -432,6 +457,7 @@ def diagnose(*, user_namespaces: bool = True, image_store: str | None = None) ->
             f"{cgroup or 'no cgroup2 mount'}: not writable; limits use setrlimit only",
         ),
         _process_limit_check(pids, pids_why, child.get("user_namespaces") == ENTERED),
+        *memory_checks(pids),
         Check(
             "immortal template",
             immortal.supported(),

@@ -20,6 +20,7 @@ from typing import Any, Final
 
 import msgspec
 
+from sandbx_pool.journal.costs import format_costs
 from sandbx_pool.journal.reader import (
     JournalScan,
     JournalStats,
@@ -238,6 +239,8 @@ def format_stats(path: str, summary: JournalStats) -> list[str]:
             [tool, *_latency_cells(value)] for tool, value in summary.latency_by_tool.items()
         ]
         lines += text_table(["tool", "n", "p50", "p90", "p99", "max"], latency_rows)
+    if summary.usage is not None:
+        lines += ["", *format_costs(summary.usage)]
     return lines
 
 

@@ -19,8 +19,10 @@ from sandbx_pool.terminal import guarded
 # Nothing heavier at the top: a one-shot `call` starts its template before these load
 # (main), and each command imports what it needs.
 
-#: Exit codes: ``call`` gives 0 for an ok outcome and 1 for any other; 2 is a usage, config or
-#: workspace error (one line on stderr); a signal N ends a command with 128 + N.
+#: Exit codes: ``call`` gives 0 for an ok outcome and 1 for any other; 2 is a usage, config,
+#: workspace or journal error (one line on stderr: a journal that cannot be opened, or that
+#: another pool is writing); a signal N ends a command with 128 + N. ``call
+#: --image`` adds 3 (the image could not be had) and 4 (no layer over it here): cli.image_call.
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
@@ -113,6 +115,13 @@ def _cmd_call(args: argparse.Namespace) -> int:
         sys.stderr.flush()
 
     on_output = show if args.tool == "bash" and not args.no_stream else None
+    if args.image is not None:
+        from sandbx_pool.cli.image_call import check_ref, run_in_image
+
+        problem = check_ref(args.image)
+        if problem is not None:
+            return _usage_error(f"call: --image: {problem}")
+        return run_in_image(args, tool_args, config, on_output)
 
     async def one_call(stopper: Stopper) -> int:
         pool = stopper.watch(Pool(args.workspace, journal=args.journal, config=config))
@@ -219,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--journal")
     call.add_argument("--config")
     call.add_argument(
+        "--image",
+        metavar="REF",
+        help="run the call in a fresh layer over this container image (its / is the image's;"
+        " pulled into the image store if need be), removed after",
+    )
+    call.add_argument(
         "--no-stream",
         action="store_true",
         help="bash: do not print the command's output to stderr as it runs",
@@ -323,7 +338,7 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def _main(argv: list[str]) -> int:
-    from sandbx_pool.errors import ConfigError
+    from sandbx_pool.errors import ConfigError, JournalError, JournalLocked, WorkspaceError
     from sandbx_pool.logs import configure_logging
 
     parser = build_parser()
@@ -341,8 +356,9 @@ def _main(argv: list[str]) -> int:
     try:
         code: int = args.func(args)
         sys.stdout.flush()  # here, so that a reader gone away is met below
-    except ConfigError as exc:
-        # Bad input is one line naming the file and the key, never a traceback.
+    except (ConfigError, JournalError, JournalLocked, WorkspaceError) as exc:
+        # Bad input is one line naming the file and the key, never a traceback; so is a
+        # --journal whose directory is not writable, or that another pool holds.
         return _usage_error(f"{args.command}: {exc}")
     except BrokenPipeError:
         # `sandbx-pool journal stats | head`: the reader has what it wanted. Point stdout at

@@ -24,7 +24,8 @@ class Image(msgspec.Struct, frozen=True, kw_only=True):
     env: tuple[str, ...] = ()
     #: the image config's WorkingDir; "" when the image sets none (a call then starts in ``/``)
     workdir: str = ""
-    #: the image config's User; "" when the image sets none
+    #: the image config's User, who a call in a layer over the image runs as
+    #: (workers.image_user); "" when the image sets none (uid 0)
     user: str = ""
     #: bytes unpacked, all layers
     size: int = 0

@@ -36,6 +36,7 @@ import fcntl
 import os
 import select
 import stat
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from importlib import metadata
 from typing import Any, Final
@@ -48,7 +49,7 @@ from mcp.shared.exceptions import MCPError
 
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import Config
-from sandbx_pool.errors import SandbxPoolError
+from sandbx_pool.errors import JournalError, JournalLocked, SandbxPoolError, WorkspaceError
 from sandbx_pool.integrations.result_text import bash_output, result_text
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
@@ -432,6 +433,11 @@ def run(
         return run_until_signalled(
             lambda stopper: serve(stopper, workspace, config, journal, deadline, session)
         )
+    except (JournalError, JournalLocked, WorkspaceError) as exc:
+        # The command's input, as a bad workspace is (exit 2, one line): a --journal that
+        # cannot be opened, or that another pool holds.
+        print(f"sandbx-pool mcp: {exc}", file=sys.stderr)
+        return 2
     except SandbxPoolError as exc:
         logger.error("sandbx-pool mcp: {}", exc)
         return 1

@@ -35,6 +35,7 @@ from typing import Any, Final
 
 import msgspec
 
+from sandbx_pool.journal.costs import CostTotals, totals
 from sandbx_pool.journal.records import (
     IDEMPOTENT_TOOLS,
     JOURNAL_REFUSED,
@@ -88,6 +89,8 @@ class JournalStats(msgspec.Struct, frozen=True, kw_only=True):
     in_doubt_by_tool: dict[str, int] = msgspec.field(default_factory=dict)
     #: Intents of any tool with no later outcome of their call id (``interrupted``).
     no_outcome: int = 0
+    #: What the calls cost (journal.costs); None: no outcome carries figures.
+    usage: CostTotals | None = None
 
 
 class Doubt(enum.StrEnum):
@@ -378,6 +381,7 @@ def stats(scan: JournalScan) -> JournalStats:
     by_tool_status: dict[str, Counter[str]] = defaultdict(Counter)
     durations: list[float] = []
     durations_by_tool: dict[str, list[float]] = defaultdict(list)
+    costs: list[tuple[str, str, str, dict[str, Any] | None]] = []
     intents = outcomes = 0
     for record in scan.records:
         if isinstance(record, IntentRecord):
@@ -389,6 +393,8 @@ def stats(scan: JournalScan) -> JournalStats:
             by_tool_status[record.tool][record.status] += 1
             durations.append(record.duration_s)
             durations_by_tool[record.tool].append(record.duration_s)
+            if record.started:
+                costs.append((record.call_id, record.tool, record.status, record.usage))
     by_tool_latency = {tool: latency(values) for tool, values in sorted(durations_by_tool.items())}
     doubtful = in_doubt_calls(scan)
     return JournalStats(
@@ -404,4 +410,11 @@ def stats(scan: JournalScan) -> JournalStats:
         corrupt_lines=len(scan.corrupt_lines),
         in_doubt_by_tool=dict(sorted(Counter(call.tool for call in doubtful).items())),
         no_outcome=len(interrupted(scan)),
+        usage=_costs(costs),
     )
+
+
+def _costs(calls: list[tuple[str, str, str, dict[str, Any] | None]]) -> CostTotals | None:
+    """Totals of the started calls, None when none has figures (an older journal)."""
+    total = totals(calls)
+    return total if total.measured else None

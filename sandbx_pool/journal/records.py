@@ -134,6 +134,9 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
     network_denied: list[str] | None = None
     #: An applied change set's images.json, hashed (Outcome.images_sha256): what undo checks.
     images_sha256: str | None = None
+    #: What the call's process tree cost (Outcome.usage); absent: it never started, or its
+    #: journal was written before usage was recorded.
+    usage: dict[str, Any] | None = None
 
     @classmethod
     def from_outcome(cls, outcome: Outcome, *, time: float, limit: int) -> OutcomeRecord:
@@ -159,6 +162,7 @@ class OutcomeRecord(Record, tag="outcome", frozen=True, kw_only=True):
             session=outcome.session,
             network_denied=_denied(outcome.value),
             images_sha256=outcome.images_sha256,
+            usage=outcome.usage,
         )
 
 

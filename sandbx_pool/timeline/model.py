@@ -27,6 +27,7 @@ from typing import Any, Final
 
 import msgspec
 
+from sandbx_pool.journal.costs import cpu_s
 from sandbx_pool.journal.reader import JournalScan, call_ledger
 from sandbx_pool.journal.records import InDoubtRecord, IntentRecord, OutcomeRecord, StartedRecord
 
@@ -59,6 +60,10 @@ class Bar(msgspec.Struct, frozen=True, kw_only=True):
     quarantined: bool = False
     wchan: str | None = None
     limit: str | None = None
+    #: What the call cost (OutcomeRecord.usage): CPU seconds, user and system, and its peak
+    #: memory in bytes; None when its outcome has no figures.
+    cpu_s: float | None = None
+    max_rss_bytes: int | None = None
 
 
 class Timeline(msgspec.Struct, frozen=True, kw_only=True):
@@ -172,6 +177,8 @@ def _finished(outcome: OutcomeRecord, intent: IntentRecord | None) -> Bar:
         quarantined=outcome.quarantined,
         wchan=outcome.wchan,
         limit=outcome.limit,
+        cpu_s=None if outcome.usage is None else round(cpu_s(outcome.usage), 6),
+        max_rss_bytes=None if outcome.usage is None else outcome.usage.get("max_rss_bytes"),
     )
 
 

@@ -83,6 +83,8 @@ def page_data(timeline: Timeline) -> dict[str, Any]:
             bar.quarantined,
             bar.wchan,
             bar.limit,
+            bar.cpu_s,
+            bar.max_rss_bytes,
         ]
         for bar in timeline.bars
     ]

@@ -1,7 +1,8 @@
 """The timeline page's stylesheet and script (page.py inlines both: the page fetches nothing).
 
     #timeline-data (JSON: statuses, bars as [lane, start, end, status, id, tool, seconds,
-        killed_by, reason, error, pid, node, exit code, quarantined, wchan, limit])
+        killed_by, reason, error, pid, node, exit code, quarantined, wchan, limit,
+        cpu seconds, peak memory bytes])
         --> legend (a swatch and a count per status) and lane labels
         --> per bar: <rect class="bar"> with a <title> (its call, in words), filled with its
             status's colour (hatched when it has no outcome), outlined when quarantined, and a
@@ -90,6 +91,8 @@ SCRIPT: Final = r"""
     if (b[11]) facts.push("node " + b[11]);
     if (b[12] != null) facts.push("exit code " + b[12]);
     if (facts.length) lines.push(facts.join(" \u00b7 "));
+    if (b[16] != null) lines.push("cpu " + secs(b[16]) + " \u00b7 peak memory " +
+                                  (b[17] / 1048576).toFixed(1) + " MiB");
     return lines.join("\n");
   }
 

@@ -17,7 +17,7 @@ from sandbx_pool.workers.tools.files import edit_file, list_directory, read_file
 from sandbx_pool.workers.tools.find import find_paths
 from sandbx_pool.workers.tools.grep import grep_files
 from sandbx_pool.workers.tools.layers import diff_layer, open_layer
-from sandbx_pool.workers.tools.recovery import remove_temps
+from sandbx_pool.workers.tools.recovery import check_workspace, remove_temps
 from sandbx_pool.workers.tools.service import run_service
 
 ToolFunction = Callable[[Any, ExecutionContext], dict[str, Any]]
@@ -36,6 +36,7 @@ TOOLS: dict[str, ToolFunction] = {
 WORKER_ACTIONS: dict[str, ToolFunction] = {
     **TOOLS,
     "_remove_temps": remove_temps,
+    "_check_workspace": check_workspace,
     "_apply_changes": apply_changes,
     "_undo_changes": undo_changes,
     "_layer_open": open_layer,
