@@ -269,8 +269,10 @@ def test_a_pool_started_from_a_short_lived_thread_keeps_serving(
 STEPS = ("forking", "connecting", "handshaking")
 
 
-def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
-    """Make ``stop`` happen at ``step`` of the first worker's start (before ``pool.start``).
+def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> Callable[[], None]:
+    """Make ``stop`` happen at ``step`` of the first worker started once armed: installed
+    before ``pool.start``, armed after it (start's own worker, the workspace check, passes).
+    Returns the function that arms it.
 
     forking: Spawned has arrived but the pool has not seen it (its handling is deferred behind
     the kill); connecting: the pool knows the pid, the worker's Ready is not handled yet (held
@@ -280,14 +282,14 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
     loop = asyncio.get_running_loop()
     on_template, on_message = pool._on_template, pool._inbox.deliver
     held: list[tuple[Any, ...]] = []
-    state = {"spawned": False, "stopped": False}
+    state = {"armed": False, "spawned": False, "stopped": False}
 
     def fire() -> None:
         state["stopped"] = True
         stop()
 
     def at_template(message: FromTemplate) -> None:
-        if state["stopped"] or not isinstance(message, Spawned):
+        if not state["armed"] or state["stopped"] or not isinstance(message, Spawned):
             on_template(message)
             return
         state["spawned"] = True
@@ -305,6 +307,9 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
             fire()
 
     def at_message(*args: Any) -> None:
+        if not state["armed"]:
+            on_message(*args)
+            return
         # Before its call, the only message a worker sends is its Ready.
         if not state["stopped"] and step == "connecting" and not state["spawned"]:
             held.append(args)
@@ -315,6 +320,7 @@ def _stop_at(pool: Pool, step: str, stop: Callable[[], None]) -> None:
 
     pool._on_template = at_template  # type: ignore[method-assign]
     pool._inbox.deliver = at_message  # type: ignore[method-assign]
+    return lambda: state.update(armed=True)
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -324,8 +330,9 @@ async def test_a_cancel_in_the_startup_window_leaves_nothing(
     config = marked_config(pool={"workers": 1, "prefork": 0})
     pool = Pool(workspace, journal=tmp_path / "j.jsonl", config=config)
     token = CancelToken()
-    _stop_at(pool, step, lambda: token.cancel(step))
+    arm = _stop_at(pool, step, lambda: token.cancel(step))
     async with pool:
+        arm()
         assert pool._template is not None
         template = pool._template.pid
         assert template is not None
@@ -350,8 +357,9 @@ async def test_a_close_in_the_startup_window_leaves_nothing(
     config = marked_config(pool={"workers": 1, "prefork": 0})
     pool = Pool(workspace, journal=tmp_path / "j.jsonl", config=config)
     closing: list[asyncio.Task[None]] = []
-    _stop_at(pool, step, lambda: closing.append(asyncio.ensure_future(pool.close())))
+    arm = _stop_at(pool, step, lambda: closing.append(asyncio.ensure_future(pool.close())))
     async with pool:
+        arm()
         assert pool._template is not None
         template = pool._template.pid
         assert template is not None

@@ -150,18 +150,6 @@ def test_a_batch_runs_samples_in_layers_over_one_pulled_image(
     assert _manifest_gets(registry) == 1
 
 
-def test_an_image_line_with_ray_is_refused(tmp_path: Path) -> None:
-    calls = tmp_path / "calls.jsonl"
-    calls.write_text(json.dumps({"tool": "ls", "layer": "a", "image": REF}) + "\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "sandbx_pool.cli", "run", str(calls), "--ray", "auto",
-         "--workspace", str(tmp_path)],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 2
-    assert done.stderr == "sandbx-pool run: layers over images need a local pool, not --ray\n"
-
-
 def test_an_image_that_cannot_be_pulled_stops_the_run_naming_the_line(tmp_path: Path) -> None:
     require("skopeo", "skopeo")
     missing = tmp_path / "no-layout"

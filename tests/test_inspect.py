@@ -1,9 +1,10 @@
 """The Inspect AI provider ``sandbx`` against Inspect's own conformance suite, plus our checks.
 
 Inspect's portable suite (``inspect_ai.util._sandbox.self_check``) is imported into this module;
-it asks for a ``sandbox_env`` fixture. It runs twice, once per view ("sample", the default, and
-"host"): one task (one pool) serves each, on the module's event loop, with a fresh sample per
-check, as an eval would run them.
+it asks for a ``sandbox_env`` fixture. It runs three times, once per view ("sample", the default,
+and "host") and once on an image ("image": each sample a layer over a busybox image written by
+the test, ``SandbxConfig(image="oci:DIR:TAG")``): one task (one pool) serves each, on the
+module's event loop, with a fresh sample per check, as an eval would run them.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import pytest_asyncio
 
 pytest.importorskip("inspect_ai", reason="needs the 'inspect' extra")
 
+from busybox_image import pids_with_argv, pool_toml, write_busybox_image
 from conftest import doctor_checks
-from helpers import journal_records, marked_pool_toml, pids_with, unique_tag
+from helpers import journal_records, marked_pool_toml, pids_with, unique_tag, wait_until
 from inspect_ai import Task, eval_async
 from inspect_ai.dataset import Sample
 from inspect_ai.event import InfoEvent
@@ -44,9 +46,15 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 #: A sample's view needs a mount namespace per call (doctor: root with CAP_SYS_ADMIN, or user
 #: namespaces); elsewhere the provider refuses view="sample", and only "host" runs.
 VIEWS = ("sample", "host") if doctor_checks()["mount namespaces"].ok else ("host",)
+#: The same suite on samples in an image, where layers over it mount (doctor's check).
+KINDS = (*VIEWS, "image") if doctor_checks()["overlayfs layers (pool.layer)"].ok else VIEWS
 
 #: Checks that cannot pass here, keyed by view and name, with the reason. Keep this short.
-EXPECTED_FAILURES: dict[str, dict[str, str]] = {"sample": {}, "host": {}}
+EXPECTED_FAILURES: dict[str, dict[str, str]] = {
+    "sample": {},
+    "host": {},
+    "image": {"test_exec_as_user": "the busybox image has no adduser (Debian's busybox-static)"},
+}
 if os.geteuid() == 0:
     # In the host view, without a `user` in the config, samples run as the pool's user with a
     # container's capabilities, which ignore file modes: `chmod -r` / `chmod -w` stop nothing
@@ -65,17 +73,25 @@ else:
     EXPECTED_FAILURES["host"]["test_exec_as_user"] = "switching users needs a root pool"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=VIEWS)
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=KINDS)
 async def task_config(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[SandbxConfig]:
     directory = tmp_path_factory.mktemp("inspect")
-    config = SandbxConfig(
-        journal=str(directory / "journal.jsonl"),
-        pool_config=marked_pool_toml(directory),
-        workers=4,
-        view=request.param,
-    )
+    if request.param == "image":
+        config = SandbxConfig(
+            journal=str(directory / "journal.jsonl"),
+            pool_config=pool_toml(directory),
+            workers=4,
+            image=write_busybox_image(directory / "layout"),
+        )
+    else:
+        config = SandbxConfig(
+            journal=str(directory / "journal.jsonl"),
+            pool_config=marked_pool_toml(directory),
+            workers=4,
+            view=request.param,
+        )
     await SandbxSandboxEnvironment.task_init("startup", config)
     try:
         yield config
@@ -87,7 +103,8 @@ async def task_config(
 async def sandbox_env(
     request: pytest.FixtureRequest, task_config: SandbxConfig
 ) -> AsyncIterator[SandboxEnvironment]:
-    reason = EXPECTED_FAILURES[task_config.view].get(request.node.originalname)
+    kind = "image" if task_config.image is not None else task_config.view
+    reason = EXPECTED_FAILURES[kind].get(request.node.originalname)
     if reason is not None:
         request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
     environments = await SandbxSandboxEnvironment.sample_init("test", task_config, {})
@@ -120,9 +137,20 @@ async def test_timeout_kills_the_tree_on_the_host(sandbox_env: SandboxEnvironmen
     # The suite's own check looks with `ps` from inside the sandbox, where a worker's PID
     # namespace shows nothing of another call's processes; here we look from the host.
     tag = unique_tag()
+    argv = ["bash", "-c", f"(exec -a {tag} sleep 1000) & wait"]
+    in_image = sandbox_env.as_type(SandbxSandboxEnvironment).layer is not None
+    if in_image:
+        # busybox's applets cannot run under another argv[0]: a sleep of a length no other
+        # process has, seen running first.
+        tag = str(10**6 + int(time.time_ns() % 10**6))
+        argv = ["sh", "-c", f"sleep {tag} & wait"]
+    running = asyncio.create_task(sandbox_env.exec(argv, timeout=2))
+    if in_image:
+        await wait_until(lambda: bool(pids_with_argv("sleep", tag)), 5, "the sleep to start")
     with pytest.raises(TimeoutError):
-        await sandbox_env.exec(["bash", "-c", f"(exec -a {tag} sleep 1000) & wait"], timeout=1)
+        await running
     assert pids_with(tag) == []
+    assert pids_with_argv("sleep", tag) == []
 
 
 async def test_signal_death_reports_128_plus_n(sandbox_env: SandboxEnvironment) -> None:
@@ -140,6 +168,11 @@ async def test_sample_directories_are_separate_and_removed(task_config: SandbxCo
     second = await SandbxSandboxEnvironment.sample_init("test", task_config, {})
     a, b = first["default"], second["default"]
     await a.write_file("mine.txt", "a")
+    if task_config.image is not None:  # each sample a layer over the image: see the next test
+        assert (await b.exec(["ls", "-A"])).stdout == "README\n"
+        for environments in (first, second):
+            await SandbxSandboxEnvironment.sample_cleanup("test", task_config, environments, False)
+        return
     assert (await b.exec(["ls", "-A"])).stdout == ""
     directory = a.as_type(SandbxSandboxEnvironment).directory
     assert await asyncio.to_thread(os.path.isdir, directory)  # seen from the host

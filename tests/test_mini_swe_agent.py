@@ -18,6 +18,7 @@ import pytest
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
 pytest.importorskip("minisweagent", reason="needs the 'mini-swe-agent' extra")
 
+from busybox_image import WORKDIR, pool_toml, write_busybox_image
 from conftest import MARKER
 from helpers import pids_with, tagged_sleep, unique_tag, wait_until_sync
 from minisweagent.agents.default import DefaultAgent
@@ -327,3 +328,114 @@ def test_session_true_gives_each_environment_its_own(workspace: Path, tmp_path: 
 def test_a_bad_session_id_is_refused_at_construction(workspace: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="bad session id"):
         make_env(workspace, tmp_path, session="a b")
+
+
+# -- image= : DockerEnvironment's fields, one layer over the image per environment --------------
+
+
+def _image_env(tmp_path: Path, ref: str, **options: object) -> SandbxEnvironment:
+    environment = get_environment(
+        {
+            "environment_class": DOTTED,
+            "image": ref,
+            "timeout": 10,
+            "pool_config": pool_toml(tmp_path),
+            "journal": str(tmp_path / f"journal-{unique_tag()}.jsonl"),
+            **options,
+        }
+    )
+    assert isinstance(environment, SandbxEnvironment)
+    return environment
+
+
+def _layers(tmp_path: Path) -> list[str]:
+    store = tmp_path / "layers"
+    return sorted(os.listdir(store)) if store.exists() else []
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+def test_an_image_environment_runs_in_its_own_layer_removed_at_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref = write_busybox_image(tmp_path / "layout")
+    monkeypatch.setenv("FORWARDED", "from-host")
+    monkeypatch.setenv("NOT_FORWARDED", "secret")
+    one = _image_env(tmp_path, ref, env={"OWN": "set"}, forward_env=["FORWARDED", "ABSENT"])
+    two = _image_env(tmp_path, ref)
+    try:
+        assert len(_layers(tmp_path)) == 2  # one each
+        result = one.execute(
+            {
+                "command": "pwd; cat README; cat /etc/os-release; echo $IMAGE_VAR $OWN $FORWARDED;"
+                " echo ${NOT_FORWARDED:-unset} ${ABSENT:-unset}; readlink /proc/$$/exe"
+            }
+        )
+        assert result["returncode"] == 0, result
+        assert result["output"].splitlines() == [
+            WORKDIR,  # the image's WorkingDir, no cwd given
+            "from the image",
+            "NAME=busybox-image",  # the image's /etc, not the host's
+            "from-image set from-host",
+            "unset unset",
+            "/bin/busybox",
+        ]
+        assert one.execute({"command": "pwd"}, cwd="/tmp")["output"] == "/tmp\n"
+        # Writes stay in the environment's layer: the other sees the image as it is.
+        assert (
+            one.execute({"command": "echo mine > /srv/work/new; echo x >> README"})["returncode"]
+            == 0
+        )
+        assert one.execute({"command": "cat new README"})["output"] == ("mine\nfrom the image\nx\n")
+        seen = two.execute({"command": "ls /srv/work; cat README"})
+        assert seen["output"] == "README\nfrom the image\n"
+        timed_out = one.execute({"command": "sleep 30"}, timeout=1)
+        assert timed_out["returncode"] == -1
+        assert timed_out["extra"]["exception_type"] == "TimeoutExpired"
+        with pytest.raises(Submitted):
+            one.execute({"command": f"echo {SUBMIT_SENTINEL}; cat new"})
+    finally:
+        one.close()
+        two.close()
+    assert _layers(tmp_path) == []
+    # The image stays in the store for the next environment: pulled once.
+    assert not os.path.exists(WORKDIR)  # a path of the image's only
+    again = _image_env(tmp_path, ref, cwd=WORKDIR)
+    try:
+        assert again.execute({"command": "pwd; ls"})["output"] == f"{WORKDIR}\nREADME\n"
+    finally:
+        again.close()
+    assert _layers(tmp_path) == []
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+def test_the_default_agent_submits_from_an_image(tmp_path: Path) -> None:
+    ref = write_busybox_image(tmp_path / "layout")
+    model = DeterministicModel(
+        outputs=[
+            make_output("write it", [{"command": "echo fixed > answer.txt"}]),
+            make_output("submit", [{"command": f"echo {SUBMIT_SENTINEL}; cat answer.txt"}]),
+        ]
+    )
+    with _image_env(tmp_path, ref, session=True) as env:
+        agent = DefaultAgent(
+            model, env, system_template="You run commands.", instance_template="{{task}}"
+        )
+        result = agent.run("fix it")
+    assert result["exit_status"] == "Submitted"
+    assert result["submission"] == "fixed\n"
+    assert _layers(tmp_path) == []
+
+
+def test_an_image_that_cannot_be_had_is_one_clear_error_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(Exception, match="no-such-layout"):
+        _image_env(tmp_path, f"oci:{tmp_path / 'no-such-layout'}:v1")
+    with pytest.raises(ValueError, match="reference"):
+        _image_env(tmp_path, "Not A Ref")
+    with pytest.raises(ValueError, match="forward_env"):
+        SandbxEnvironment(image="oci:/x:v1", pass_env=True)
+    assert _layers(tmp_path) == []
+    # Each failed start stopped its loop's thread (and the pool's template: the conftest
+    # fixture sees no process left).
+    assert not [t for t in threading.enumerate() if t.name == "sandbx-mini-swe-agent"]

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import ray
+from busybox_image import write_busybox_image
 from conftest import MARKER, _uptime, leftover_processes
 from helpers import pids_with, tagged_sleep, unique_tag, wait_until, wait_until_sync
 from ray.cluster_utils import Cluster
@@ -49,9 +50,14 @@ NODE_ARGS: dict[str, Any] = {"num_cpus": 1, "object_store_memory": 80_000_000}
 
 #: The node pools' layer store (test_a_layer_runs_on_the_node_that_holds_it), removed at the end.
 LAYERS = tempfile.mkdtemp(prefix="sbx-ray-layers-")
+#: The node pools' image store (test_layers_over_an_image_on_the_nodes), removed at the end.
+IMAGES = tempfile.mkdtemp(prefix="sbx-ray-images-")
 
 CONFIG = Config().override(
-    env={"set": {MARKER: os.environ[MARKER]}}, pool={"workers": 3}, workspace={"layers": LAYERS}
+    env={"set": {MARKER: os.environ[MARKER]}},
+    pool={"workers": 3},
+    workspace={"layers": LAYERS},
+    images={"store": IMAGES},
 )
 
 
@@ -93,6 +99,7 @@ def cluster() -> Iterator[Cluster]:
             left = leftover_processes(since)
         shutil.rmtree(temp_dir, ignore_errors=True)
         shutil.rmtree(LAYERS, ignore_errors=True)
+        shutil.rmtree(IMAGES, ignore_errors=True)
         if made_address_dir:
             shutil.rmtree(address_dir, ignore_errors=True)
         assert not left, f"the Ray cluster left processes behind: {left}"
@@ -162,6 +169,26 @@ async def test_a_layer_runs_on_the_node_that_holds_it(cluster: Cluster, root: Pa
             assert wrote.node == read.node == pool.nodes()[path]
         assert {pool.nodes()[path] for path in paths} == live_nodes()
     assert (base / "a.txt").read_text() == "base\n"
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+async def test_layers_over_an_image_on_the_nodes(cluster: Cluster, root: Path) -> None:
+    ref = write_busybox_image(root.parent / "layout")
+    async with RayPool(root, config=CONFIG) as pool:
+        paths = [await pool.layer(f"ray-image-{n}", image=ref) for n in range(4)]
+        for n, path in enumerate(paths):
+            wrote = await pool.call(
+                "bash", {"command": f"echo {n} > mine; cat /etc/os-release mine"}, workspace=path
+            )
+            assert wrote.status is Status.OK, wrote
+            assert wrote.value is not None
+            assert wrote.value["stdout"] == f"NAME=busybox-image\n{n}\n"  # the image's /etc
+            assert wrote.node == pool.nodes()[path]
+        assert {pool.nodes()[path] for path in paths} == live_nodes()
+        with pytest.raises(TypeError, match="reference"):
+            await pool.layer("x", image=object())  # type: ignore[arg-type]
+    # Pulled once into the store (the two nodes of this machine share it).
+    assert len(os.listdir(Path(IMAGES) / "images")) == 1
 
 
 async def test_spans_come_from_the_driver_one_a_call_with_its_node(
@@ -325,6 +352,39 @@ def test_the_cli_runs_a_batch_on_the_cluster(cluster: Cluster, root: Path, tmp_p
     )
     assert resumed.returncode == 0, resumed.stderr
     assert "8 skipped" in resumed.stdout
+
+
+@pytest.mark.needs("overlayfs layers (pool.layer)")
+def test_the_cli_runs_image_lines_on_the_cluster(
+    cluster: Cluster, root: Path, tmp_path: Path
+) -> None:
+    ref = write_busybox_image(tmp_path / "layout")
+    lines = [
+        {
+            "id": f"i{n}",
+            "tool": "bash",
+            "args": {"command": f"echo {n} > mine; cat /etc/os-release mine"},
+            "layer": f"cli-image-{n}",
+            "image": ref,
+        }
+        for n in range(4)
+    ]
+    calls = tmp_path / "calls.jsonl"
+    calls.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    journal = tmp_path / "j.jsonl"
+    argv = [sys.executable, "-m", "sandbx_pool.cli", "run", str(calls), "--workspace", str(root)]
+    argv += ["--ray", cluster.address, "--journal", str(journal), "--parallel", "4"]
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    outcomes = {r.call_id: r for r in read_journal(journal).records if isinstance(r, OutcomeRecord)}
+    assert sorted(outcomes) == [f"i{n}" for n in range(4)]
+    for n in range(4):
+        record = outcomes[f"i{n}"]
+        assert record.status == "ok", record
+        assert record.value_summary is not None
+        assert record.value_summary["stdout"] == f"NAME=busybox-image\n{n}\n"
+    assert {r.node for r in outcomes.values()} == live_nodes()
 
 
 def test_a_signal_stops_a_cluster_batch_and_its_calls(

@@ -418,12 +418,14 @@ class _Pulls:
 async def _layer(pool: Pool | RayPool, spec: CallSpec, pulls: _Pulls | None) -> Any:
     """The layer a line runs in (its path on a RayPool's node), made over its base or its
     image by the first line that needs it; a relative base is under the workspace root
-    (batch.calls). A RayPool takes no image (cli.batch refuses such a file)."""
+    (batch.calls). On a RayPool the image's reference goes to the layer's node, whose pool
+    pulls it into that node's store (once per node)."""
     assert spec.layer is not None
     if spec.image is not None:
-        if pulls is None or not isinstance(pool, Pool):
-            raise ValueError("a layer over an image needs a local pool")
-        return await pool.layer(spec.layer, image=await pulls.image(spec.image))
+        if isinstance(pool, Pool):
+            assert pulls is not None  # made for every local pool
+            return await pool.layer(spec.layer, image=await pulls.image(spec.image))
+        return await pool.layer(spec.layer, image=spec.image)
     root = pool.workspace if isinstance(pool, Pool) else pool.workspace_root
     # Lexical: the base is a workspace, which only a worker touches.
     joined = None if spec.base is None else os.path.join(root, spec.base)

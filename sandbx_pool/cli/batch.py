@@ -171,8 +171,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         config.workspace.changes != "direct" or any(spec.changes for spec in batch.calls)
     ):
         return _usage_error("run", "tracked and transactional calls need a local pool, not --ray")
-    if args.ray is not None and any(spec.image for spec in batch.calls):
-        return _usage_error("run", "layers over images need a local pool, not --ray")
     if args.ray is not None and any(spec.session for spec in batch.calls):
         return _usage_error("run", "shell sessions need a local pool, not --ray")
     if args.ray is not None and not _ray_installed():

@@ -9,6 +9,8 @@
       sample_cleanup -------------> rm -rf the sample directory (through the pool)
       with base=DIR: sample_init makes the sample a layer over DIR (pool.layer), mounted on
       its working directory in every call (layer_at=workdir); sample_cleanup removes it
+      with image=REF: sample_init makes the sample a layer over the image (pulled once into
+      the pool's image store), the image its ``/`` in every call; sample_cleanup removes it
       task_cleanup ---------------> rm -rf the task directory, close the Pool
 
 Two views, ``SandbxConfig.view``:
@@ -24,6 +26,12 @@ Two views, ``SandbxConfig.view``:
   directory, absolute ones mean the host's (the pool's workspace, ``/`` by default); commands
   keep a container's default capabilities; what keeps a sample in bounds is the user it runs as
   (``user``), or a narrower ``workspace`` (absolute paths outside it are refused).
+
+With ``image`` (any reference ``pool.image`` takes; or a compose file whose one service names
+an ``image:``, inspect_compose) each sample is a layer of its own over the image
+(sandbx_pool.image_layer): every call sees the image as its ``/``, its programs, its Env, and
+starts in its WorkingDir (``workdir`` overrides it); writes stay in the sample's layer. The
+image's root is the sample's root, with no capability over the host.
 
 Either way the provider's own housekeeping (making and removing the sample directories) runs
 outside any view, with a container's capabilities: it runs fixed commands only.
@@ -44,8 +52,10 @@ import errno
 import os
 import posixpath
 import shlex
+import uuid
 from typing import Any, Literal, overload
 
+import msgspec
 from inspect_ai.util import (
     ExecResult,
     OutputLimitExceededError,
@@ -56,11 +66,13 @@ from inspect_ai.util import (
     SandboxUserUnsupportedError,
     sandboxenv,
 )
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from sandbx_pool.cancel import CancelToken
 from sandbx_pool.config import load_config
-from sandbx_pool.integrations import inspect_cancel, inspect_eval
+from sandbx_pool.image_layer import start_dir
+from sandbx_pool.images import Image
+from sandbx_pool.integrations import inspect_cancel, inspect_compose, inspect_eval
 from sandbx_pool.layers import Layer
 from sandbx_pool.logs import logger
 from sandbx_pool.outcome import Outcome, Status
@@ -112,9 +124,10 @@ class SandbxConfig(BaseModel):
     #: "sample": each sample sees its own directory as ``/`` (a container's view); "host":
     #: Inspect's local provider's semantics, the host's tree (module docstring).
     view: Literal["sample", "host"] = "sample"
-    #: The sample's working directory in its view (view="sample"): where relative paths and
-    #: commands start, and HOME.
-    workdir: str = "/work"
+    #: The sample's working directory in its view (view="sample"; None: ``/work``), or in its
+    #: image (None: the image's WorkingDir): where relative paths and commands start (and, in a
+    #: view, HOME).
+    workdir: str | None = None
     workspace: str = "/"  # view="host": what every path is confined to ("/": Inspect's local)
     root: str = "/tmp"  # where each task's directory (holding the sample directories) is made
     user: str | None = None  # who exec, read_file and write_file run as (None: the pool's)
@@ -132,15 +145,31 @@ class SandbxConfig(BaseModel):
     #: host patterns (sandbx_pool.allow_list; ``network_hosts`` stays the pool config's). None:
     #: the pool config's.
     network: bool | tuple[str, ...] | None = None
+    #: A container image (any reference ``pool.image`` takes: ``oci:DIR:TAG``,
+    #: ``HOST/REPO:TAG``...): each sample a layer over it, the image its ``/``.
+    image: str | None = None
+    #: The image's variables for every exec (a compose service's ``environment``), under the
+    #: exec's own.
+    env: tuple[tuple[str, str], ...] = ()
 
-    @field_validator("workdir")
-    @classmethod
-    def _check_workdir(cls, workdir: str) -> str:
+    @model_validator(mode="after")
+    def _check_workdir(self) -> SandbxConfig:
+        workdir = self.workdir
+        if workdir is None:
+            return self
         normal = posixpath.normpath(workdir)
         top = normal.strip("/").split("/")[0]
-        if not workdir.startswith("/") or top in ("", *_SYSTEM_NAMES) or "\x00" in workdir:
+        if not workdir.startswith("/") or "\x00" in workdir:
+            raise ValueError(f"workdir must be an absolute path: {workdir!r}")
+        if self.image is None and top in ("", *_SYSTEM_NAMES):
             raise ValueError(f"workdir must be an absolute path outside the system's: {workdir!r}")
-        return normal
+        object.__setattr__(self, "workdir", normal)  # frozen: the normal form, once
+        return self
+
+    @property
+    def sample_workdir(self) -> str:
+        """A sample view's working directory."""
+        return self.workdir or "/work"
 
     @field_validator("base")
     @classmethod
@@ -159,6 +188,18 @@ class _Task:
         self.directory = directory
         #: Samples initialised and not yet cleaned up (inspect_eval: the pool admits as many).
         self.samples = 0
+        #: image=: the image, found or pulled once by task_init; every sample's layer lies
+        #: over it (the reference is not looked up again per sample).
+        self.image: Image | None = None
+        #: Its User (None: root): who a sample's calls run as when they name none, as docker
+        #: runs them; the layers lie over the image with its User cleared, so that
+        #: ``user="root"`` is root.
+        self.image_user: str | None = None
+
+    @property
+    def user(self) -> str | None:
+        """Who the samples' calls run as when an exec names no user."""
+        return self.settings.user if self.settings.user is not None else self.image_user
 
     def sample_started(self) -> None:
         self.samples += 1
@@ -180,6 +221,8 @@ def _settings(config: SandboxEnvironmentConfigType | None) -> SandbxConfig:
     if isinstance(config, SandbxConfig):
         return config
     if isinstance(config, str):
+        if inspect_compose.is_compose_file(config):
+            return SandbxConfig(**inspect_compose.read(config))
         return SandbxConfig(pool_config=config)
     return SandbxConfig.model_validate(config.model_dump())
 
@@ -191,6 +234,8 @@ def _key(settings: SandbxConfig) -> str:
 async def _open_task(settings: SandbxConfig) -> _Task:
     if settings.base is not None and settings.view != "sample":
         raise ValueError("sandbx: base= needs view='sample' (each sample's workdir a layer)")
+    if settings.image is not None and settings.base is not None:
+        raise ValueError("sandbx: image= and base= both name the sample's files: give one")
     # Whole streams (Inspect's exec has its own limit, checked below), not head and tail;
     # stdout and stderr apart, as ExecResult has them (merge_stderr stays off).
     config = load_config(settings.pool_config).override(
@@ -217,10 +262,10 @@ async def _open_task(settings: SandbxConfig) -> _Task:
     if settings.workers is None:
         pool.admit(inspect_eval.max_subprocesses() or 0)  # inspect_eval: why
     await pool.start()
-    if settings.view == "sample" and not pool.views:
+    if (settings.view == "sample" or settings.image is not None) and not pool.views:
         await pool.close()
         raise RuntimeError(
-            "sandbx: view='sample' needs a mount namespace per call (a root pool with"
+            "sandbx: view='sample' (and image=) needs a mount namespace per call (a root pool with"
             " CAP_SYS_ADMIN, or user namespaces: `sandbx-pool doctor` says which this machine"
             " has); use SandbxConfig(view='host') for the local provider's semantics"
         )
@@ -233,8 +278,9 @@ async def _open_task(settings: SandbxConfig) -> _Task:
                 asyncio.to_thread(remove_abandoned, settings.root, TASK_DIR_PREFIX),
                 ABANDONED_SWEEP_S,
             )
-        if settings.base is not None:
+        if settings.base is not None or settings.image is not None:
             await _remove_abandoned_layers(pool)
+        image = await pool.image(settings.image) if settings.image is not None else None
         template = os.path.join(settings.root, f"{TASK_DIR_PREFIX}{owner_tag()}-XXXXXX")
         made = await _check(pool, ["mktemp", "-d", template], cwd=settings.workspace)
         directory = made.stdout.strip()
@@ -245,7 +291,11 @@ async def _open_task(settings: SandbxConfig) -> _Task:
         raise
     if pool.journal is not None:  # once per task; each sample's log names it too
         inspect_eval.announce_journal(pool.journal.path)
-    return _Task(settings, pool, directory)
+    task = _Task(settings, pool, directory)
+    if image is not None:
+        task.image_user = image.user.strip().split(":", 1)[0] or None
+        task.image = msgspec.structs.replace(image, user="")
+    return task
 
 
 async def _remove_abandoned_layers(pool: Pool) -> None:
@@ -382,16 +432,19 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         self.task = task
         #: base=DIR: the sample's own layer, mounted on its working directory in every call.
         self.layer = layer
-        self._in_layer: dict[str, Any] = (
-            {"workspace": layer, "layer_at": task.settings.workdir} if layer is not None else {}
-        )
-        #: The sample's directory on the host: its view's root (view="sample"), or its working
-        #: directory (view="host").
-        self.directory = directory
         settings = task.settings
-        self.view = directory if settings.view == "sample" else None
+        #: The sample's directory on the host: its view's root (view="sample"), or its working
+        #: directory (view="host"); "" for a sample in an image (its layer is all it has).
+        self.directory = directory
+        self.view = directory if settings.view == "sample" and directory else None
         #: Where commands start and relative paths lead, as the sample's calls see it.
-        self.workdir = settings.workdir if self.view is not None else directory
+        self.workdir = settings.sample_workdir if self.view is not None else directory
+        self._in_layer: dict[str, Any] = {}
+        if layer is not None and layer.image is not None:  # the image is the call's /
+            self._in_layer = {"workspace": layer}
+            self.workdir = settings.workdir or start_dir(layer.image)
+        elif layer is not None:
+            self._in_layer = {"workspace": layer, "layer_at": settings.sample_workdir}
 
     # -- lifecycle (class methods Inspect calls) -------------------------------------------
 
@@ -405,6 +458,14 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
     ) -> dict[str, SandboxEnvironment]:
         task = await task_for(config)
         root = task.settings.workspace
+        if task.settings.image is not None:
+            # A layer over the image, named as the base's are (abandoned ones are found).
+            name = f"{os.path.basename(task.directory)}-sample-{uuid.uuid4().hex[:12]}"
+            over_image = await task.pool.layer(name, image=task.image)
+            task.sample_started()
+            if task.journal_path is not None:
+                inspect_eval.record_journal(task.journal_path)
+            return {"default": cls(task, "", over_image)}
         made = await _check(
             task.pool, ["mktemp", "-d", os.path.join(task.directory, "sample-XXXXXX")], cwd=root
         )
@@ -416,7 +477,7 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         if task.settings.view == "sample":
             # The view's root, read-only in the view, traversable by a sample `user`; its own
             # directories: /tmp (sticky, as any /tmp) and the working directory.
-            owned = directory + task.settings.workdir
+            owned = directory + task.settings.sample_workdir
             script = 'chmod 755 "$1" && mkdir -p "$1/tmp" "$2" && chmod 1777 "$1/tmp"'
             await _check(task.pool, ["sh", "-c", script, "sh", directory, owned], cwd=root)
         layer = None
@@ -441,6 +502,8 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
             sample.task.samples -= 1
             if sample.layer is not None:
                 await sample.layer.remove()
+            if not sample.directory:
+                continue
             await _check(
                 sample.task.pool,
                 ["rm", "-rf", "--", sample.directory],
@@ -491,13 +554,15 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
         # caller's decision. concurrency: the pool's worker count already bounds it.
         if self.view is not None:
             env = {"HOME": self.workdir, **(env or {})}
+        elif self.task.settings.env:
+            env = {**dict(self.task.settings.env), **(env or {})}
         return await _exec(
             self.task.pool,
             cmd,
             cwd=self._path(cwd) if cwd is not None else self.workdir,
             input=input,
             env=env,
-            user=user if user is not None else self.task.settings.user,
+            user=user if user is not None else self.task.user,
             timeout=timeout,
             view=self.view,
             **self._in_layer,
@@ -506,8 +571,8 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
     async def write_file(self, file: str, contents: str | bytes) -> None:
         data = contents.encode("utf-8") if isinstance(contents, str) else bytes(contents)
         args: dict[str, Any] = {"path": self._path(file), "content": "", "content_bytes": data}
-        if self.task.settings.user is not None:
-            args["user"] = self.task.settings.user
+        if self.task.user is not None:
+            args["user"] = self.task.user
         outcome = await _call(
             self.task.pool,
             "write",
@@ -530,8 +595,8 @@ class SandbxSandboxEnvironment(SandboxEnvironment):
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         args: dict[str, Any] = {"path": self._path(file), "encoding": "bytes"}
-        if self.task.settings.user is not None:
-            args["user"] = self.task.settings.user  # as exec and write_file: file modes hold
+        if self.task.user is not None:
+            args["user"] = self.task.user  # as exec and write_file: file modes hold
         outcome = await _call(
             self.task.pool,
             "read",

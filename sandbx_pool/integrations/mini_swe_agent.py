@@ -26,6 +26,14 @@ Both protocols are accepted, told apart by the action's type:
   ``returncode``; a timeout raises ``subprocess.TimeoutExpired`` (v1 agents catch it) and the
   agent, not the environment, looks for the sentinel.
 
+With ``image: REF`` (any reference ``pool.image`` takes: ``oci:DIR:TAG``, ``HOST/REPO:TAG``...)
+the fields of mini-swe-agent's docker environment (``image``, ``cwd``, ``env``, ``forward_env``,
+``timeout``) mean what they mean there: the image is pulled into the pool's image store once,
+the environment gets one layer of its own over it (sandbx_pool.image_layer), and every command
+runs in that layer with the image as its ``/``: the image's programs, its Env, its WorkingDir
+when no ``cwd`` is given; writes stay in the layer, which ``close()`` removes. Nothing of the
+host's environment reaches a command but the ``forward_env`` names.
+
 With ``session: true`` in the config, commands share one shell session
 (sandbx_pool.sessions): a ``cd`` or an ``export`` lasts into the next command, as in a
 terminal (background jobs still end with their command); without it each command starts in
@@ -48,6 +56,7 @@ from minisweagent.exceptions import Submitted
 from minisweagent.utils.serialize import recursive_merge
 from pydantic import BaseModel
 
+from sandbx_pool.layers import Layer
 from sandbx_pool.outcome import Outcome, Status
 from sandbx_pool.pool import Pool
 from sandbx_pool.sessions import check_id
@@ -60,9 +69,15 @@ CLOSE_TIMEOUT_S = 30.0
 
 
 class SandbxEnvironmentConfig(BaseModel):
-    cwd: str = ""  # default working directory (default: the workspace)
+    #: A container image every command runs in (one layer of this environment's over it), as
+    #: DockerEnvironment's ``image``; "": the host's tree, confined to ``workspace``.
+    image: str = ""
+    cwd: str = ""  # default working directory (default: the workspace; the image's WorkingDir)
     workspace: str = ""  # what every path is confined to (default: cwd, else the current dir)
     env: dict[str, str] = {}  # added to each command's environment
+    #: Names of the caller's variables given to each command when set (``env`` wins), as
+    #: DockerEnvironment forwards them.
+    forward_env: list[str] = []
     #: Commands get the caller's whole environment (os.environ, then env), as LocalEnvironment
     #: gives them. Off by default: the scrubbed one keeps API keys from the commands.
     pass_env: bool = False
@@ -84,7 +99,15 @@ class SandbxEnvironment:
     def __init__(self, *, config_class: type = SandbxEnvironmentConfig, **kwargs: Any) -> None:
         """Start a Pool for this environment. See ``SandbxEnvironmentConfig`` for kwargs."""
         self.config = config_class(**kwargs)
-        self.workspace = os.path.abspath(self.config.workspace or self.config.cwd or os.getcwd())
+        if self.config.image and self.config.pass_env:
+            raise ValueError(
+                "mini-swe-agent: pass_env gives the host's whole environment, which an image's"
+                " commands must not get (its PATH is the image's): name them in forward_env"
+            )
+        # With an image, cwd is a path of the image's, not a host directory: the pool's own
+        # workspace is never a call's there (each runs in the layer).
+        host_cwd = "" if self.config.image else self.config.cwd
+        self.workspace = os.path.abspath(self.config.workspace or host_cwd or os.getcwd())
         chosen = self.config.session
         self.session: str | None = (
             check_id(chosen)
@@ -94,6 +117,8 @@ class SandbxEnvironment:
         #: A new session's first command starts in ``cwd``; the next ones (and a session
         #: restored from the journal) where it left off.
         self._session_started = False
+        #: image=: this environment's layer over the image, removed by close().
+        self.layer: Layer | None = None
         self._loop = asyncio.new_event_loop()
         # A daemon, so that an environment nobody closed cannot keep the interpreter alive;
         # its workers die with us anyway (the template's parent-death signal).
@@ -114,8 +139,9 @@ class SandbxEnvironment:
             raise
         # What close() does, done by the collector if close() never runs. It holds the loop,
         # its thread and the pool, never the environment: that would keep it alive.
+        self._held = _Held(self.pool)
         self._dropped = weakref.finalize(
-            self, _release_dropped, self._loop, self._thread, self.pool
+            self, _release_dropped, self._loop, self._thread, self._held
         )
         # Not at exit: by then no executor takes work (concurrent.futures shut them down
         # first), which closing the pool needs. The pool's own finalizer releases it then, and
@@ -123,6 +149,11 @@ class SandbxEnvironment:
         self._dropped.atexit = False
         try:
             self._run(self.pool.start())
+            if self.config.image:
+                name = f"mini-swe-agent-{uuid.uuid4().hex[:12]}"
+                self.layer = self._held.layer = self._run(
+                    self.pool.layer(name, image=self.config.image)
+                )
             self._session_started = self.session is not None and self.pool.has_session(self.session)
         except BaseException:
             with contextlib.suppress(Exception):  # the start's failure is the one to report
@@ -165,9 +196,10 @@ class SandbxEnvironment:
         }
 
     def close(self) -> None:
-        """Close the pool (no worker outlives it) and stop the loop thread. Idempotent."""
+        """Remove the image's layer, close the pool (no worker outlives it) and stop the loop
+        thread. Idempotent."""
         if self._dropped.detach() is not None:  # None: closed already
-            _close(self._loop, self._thread, self.pool)
+            _close(self._loop, self._thread, self._held)
 
     cleanup = close  # the name mini-swe-agent's container environments use
 
@@ -183,16 +215,29 @@ class SandbxEnvironment:
         seconds = float(timeout or self.config.timeout)
         # Merged, as LocalEnvironment runs commands (stderr=STDOUT): one output, in order.
         args: dict[str, Any] = {"command": command, "merge_stderr": True}
-        env = (dict(os.environ) | self.config.env) if self.config.pass_env else self.config.env
+        env = self._env()
         where = self._cwd(cwd)
         if self.session is not None:
             # Only a cwd given to this execute() moves a session that has started.
             where = where if not self._session_started or cwd else None
             self._session_started = True
         call = self.pool.call(
-            "bash", args, timeout=seconds, cwd=where, env=env or None, session=self.session
+            "bash",
+            args,
+            timeout=seconds,
+            cwd=where,
+            env=env or None,
+            session=self.session,
+            workspace=self.layer,
         )
         return self._run(call), seconds
+
+    def _env(self) -> dict[str, str]:
+        """A command's variables: ``forward_env``'s (or with ``pass_env`` all the caller's),
+        then ``env``, as DockerEnvironment gives them."""
+        names: list[str] = list(os.environ) if self.config.pass_env else self.config.forward_env
+        own: dict[str, str] = self.config.env
+        return {name: os.environ[name] for name in names if name in os.environ} | own
 
     def _cwd(self, cwd: str) -> str | None:
         """Where a command starts, as LocalEnvironment chooses it: the call's cwd, else the
@@ -200,6 +245,8 @@ class SandbxEnvironment:
         pool would take it from the workspace). None: the workspace, when the current directory
         is outside it (a cwd outside it, given, is refused: the outcome says so)."""
         chosen = cwd or self.config.cwd
+        if self.layer is not None:  # a path of the image's; none: its WorkingDir
+            return chosen or None
         if chosen:
             return os.path.abspath(chosen)
         here = os.getcwd()
@@ -261,10 +308,26 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
         loop.close()
 
 
-def _close(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool: Pool) -> None:
-    """Close ``pool`` on ``loop`` and wait for it (bounded), then stop the loop and its thread."""
+class _Held:
+    """What an environment holds that its close releases: its pool, and its layer over an image
+    (the layer first: the pool removes it)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.layer: Layer | None = None
+
+    async def release(self) -> None:
+        try:
+            if self.layer is not None:
+                await self.layer.remove()
+        finally:
+            await self.pool.close()
+
+
+def _close(loop: asyncio.AbstractEventLoop, thread: threading.Thread, held: _Held) -> None:
+    """Release ``held`` on ``loop`` and wait for it (bounded), then stop the loop and its thread."""
     try:
-        asyncio.run_coroutine_threadsafe(pool.close(), loop).result(CLOSE_TIMEOUT_S)
+        asyncio.run_coroutine_threadsafe(held.release(), loop).result(CLOSE_TIMEOUT_S)
     finally:
         _stop_loop(loop, thread)
 
@@ -279,7 +342,9 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> Non
 _closing: set[asyncio.Task[None]] = set()
 
 
-def _release_dropped(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool: Pool) -> None:
+def _release_dropped(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, held: _Held
+) -> None:
     """An environment nobody closed, collected: close its pool and stop its loop, once.
 
     On the main thread (a ``del`` there) this waits, as close() does. Elsewhere it must not: a
@@ -288,7 +353,7 @@ def _release_dropped(loop: asyncio.AbstractEventLoop, thread: threading.Thread, 
     and its thread ends by itself.
     """
     if threading.current_thread() is threading.main_thread():
-        _close(loop, thread, pool)
+        _close(loop, thread, held)
         return
 
     def stop(closed: asyncio.Task[None]) -> None:
@@ -296,7 +361,7 @@ def _release_dropped(loop: asyncio.AbstractEventLoop, thread: threading.Thread, 
         loop.stop()
 
     def close_then_stop() -> None:
-        task = loop.create_task(pool.close())
+        task = loop.create_task(held.release())
         _closing.add(task)
         task.add_done_callback(stop)
 

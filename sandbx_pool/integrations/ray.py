@@ -268,17 +268,24 @@ class RayPool:
             if unsubscribe is not None:
                 unsubscribe()
 
-    async def layer(self, name: str, base: str | os.PathLike[str] | None = None) -> str:
+    async def layer(
+        self, name: str, base: str | os.PathLike[str] | None = None, *, image: str | None = None
+    ) -> str:
         """Make or open the layer ``name`` (sandbx_pool.layers) on a node, placed as a
         workspace is (sticky; the least loaded live node for a new one): its path there, which
         ``call(workspace=...)`` then takes, and which runs on that node only. A layer lives in
-        that node's layer store: after a node is lost, its layers are gone with it."""
+        that node's layer store: after a node is lost, its layers are gone with it.
+        ``image``: a reference (``Pool.image``'s), pulled into that node's image store once
+        (later layers over it on the node find it there); the layer's ``/`` is the image."""
         if self.state is not RayPoolState.OPEN:
             raise PoolClosed("the pool is not open")
+        if image is not None and not isinstance(image, str):
+            # An Image names directories of the driver's store, not of the node's.
+            raise TypeError(f"image must be a reference (a str), not {type(image).__name__}")
         key = f"layer:{name}"
         node = self._place(key)
         base_path = os.path.abspath(os.fspath(base)) if base is not None else None  # noqa: ASYNC240
-        path: str = await self._handle(node).layer.remote(name, base_path)
+        path: str = await self._handle(node).layer.remote(name, base_path, image)
         self._layer_paths.add(path)
         self.placement.node_of[path] = node
         return path

@@ -68,11 +68,12 @@ class NodePool:
                 self._pool = pool
             return self._pool
 
-    async def layer(self, name: str, base: str | None = None) -> str:
-        """Make or open the layer ``name`` on this node (Pool.layer); its path, a workspace
-        valid on this node only."""
+    async def layer(self, name: str, base: str | None = None, image: str | None = None) -> str:
+        """Make or open the layer ``name`` on this node (Pool.layer), over ``base`` or over the
+        image ``image`` names (pulled into this node's image store, once); its path, a
+        workspace valid on this node only."""
         pool = await self._open_pool()
-        return (await pool.layer(name, base=base)).path
+        return (await pool.layer(name, base=base, image=image)).path
 
     async def call(
         self,

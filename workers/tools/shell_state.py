@@ -77,6 +77,9 @@ __sbx_c=$1; builtin shift
 eval "$__sbx_c"; {{ __sbx_rc=$?; set +x; __sbx_state; }} 2>/dev/null; builtin exit "$__sbx_rc"
 """
 
+#: The same for a POSIX sh: the command as $1, shifted away; no report.
+_SH_WRAPPER: Final = '__sbx_c=$1; command shift; eval "$__sbx_c"'
+
 #: ``declare -px``'s lines: ``declare -FLAGS NAME``, then ``="..."`` or ``=$'...'`` or nothing
 #: (exported, never set). A builtin: no fork and exec of env(1) on every call's clock (measured:
 #: 2 ms a call against a loop of builtins over every name, 0.1 ms for this), and no exec that
@@ -138,6 +141,11 @@ class Capture:
         self.notes: list[str] = []
 
     def argv(self, command: str, shell: str = "bash") -> list[str]:
+        if os.path.basename(shell) != "bash":
+            # An image's sh (busybox, dash) has neither ``builtin`` nor ``declare``: it runs the
+            # command alone, its exit status its own, and reports nothing (the session keeps
+            # its state, and the outcome's note says so).
+            return [shell, "-c", _SH_WRAPPER, "sh", command]
         return [shell, "-c", _WRAPPER.format(fd=self.write_fd), "bash", command]
 
     def started(self) -> None:
