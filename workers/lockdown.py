@@ -138,9 +138,10 @@ def _bind_masks(scratch: str, fds: Iterable[int]) -> None:
         libc.umount(scratch, libc.MNT_DETACH)
 
 
-def read_only_kernel_files() -> None:
-    """Make each READ_ONLY path, and every mount beneath it (binfmt_misc, cgroups), read-only."""
-    for path in READ_ONLY:
+def read_only_kernel_files(paths: Iterable[str] = READ_ONLY) -> None:
+    """Make each of ``paths`` (READ_ONLY's), and every mount beneath it (binfmt_misc,
+    cgroups), read-only."""
+    for path in paths:
         if os.path.exists(path):
             libc.mount(path, path, None, libc.MS_BIND | libc.MS_REC, None)
             libc.set_read_only(path, recursive=True)

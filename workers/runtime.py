@@ -415,6 +415,8 @@ def serve(
         except OSError as exc:
             limit = f"apply the memory limit ({memory_bytes} bytes)"
             raise sandbox.SandboxError(f"cannot {limit}: {exc}") from exc
+        if runs_programs and (call.context.layer_dir or call.context.changes_dir):
+            sandbox.enter_prepared_mounts(call)
         if call.context.layer_dir is not None:
             _enter_layer(call, prepared)
         listed = call.context.changes_dir is not None and not _keep_changes_apart(call, prepared)

@@ -35,8 +35,11 @@ kernel's, set up by the worker itself in two stages::
 
     * only for a tool that runs programs (bash): see confine()
 
-The mount namespace is made per call, not while idle: a copy of the mount table taken before
+The mount namespace is entered per call, not while idle: a copy of the mount table taken before
 the call would hide whatever was mounted since (the NFS share, the FUSE mount the call is about).
+What every call's namespace shares (root's secrets masked, /sys read-only) a root pool's template
+prepares once; the call joins a copy of it when it comes, unless the host's mount table or the
+masked directories changed since (workers.prepared_mounts), and makes only its own mounts.
 
 A pool without root makes each worker in a user namespace of its own where the kernel allows
 (workers.containment.UserNamespaces): the worker then holds the capabilities every step needs,
@@ -69,6 +72,7 @@ from sandbx_pool.workers import (
     lockdown,
     netns,
     paths,
+    prepared_mounts,
     protected,
     seccomp,
     users,
@@ -345,6 +349,9 @@ def confine(call: Call, prepared: Prepared, *, runs_programs: bool) -> Confineme
         if isinstance(exc, Denied):
             raise SandboxError(f"not confined: {exc}") from exc
         raise SandboxError(f"cannot confine the call: {exc}") from exc
+    finally:
+        # A file tool's, or one that did not need them: descriptors the call must not hold.
+        prepared_mounts.drop()
     return Confinement(call, tmpdir, link)
 
 
@@ -478,13 +485,18 @@ def _private_mounts(
     own, of ``tmp_size_mb``: the call sees no other call's TMPDIR (nor they its), cannot fill
     the disk the journal is on, and leaves nothing behind when its namespace goes.
     """
-    if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
-        return False
-    try:
-        # Slave, recursively, first: nothing mounted here may propagate back to the host.
-        _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
-    except OSError:
-        return False  # so we mount nothing at all
+    masks_secrets = not box.keep_root or box.view is not None
+    # The pool's prepared mounts (workers.prepared_mounts), when fresh and they fit: a copy of
+    # its namespace, with root's secrets masked and /sys read-only already.
+    prepared = masks_secrets and prepared_mounts.enter()
+    if not prepared:
+        if _libc.try_unshare(_libc.CLONE_NEWNS) != 0:
+            return False
+        try:
+            # Slave, recursively, first: nothing mounted here may propagate back to the host.
+            _libc.mount("none", "/", None, _libc.MS_REC | _libc.MS_SLAVE, None)
+        except OSError:
+            return False  # so we mount nothing at all
     flags = _libc.MS_NOSUID | _libc.MS_NODEV | _libc.MS_NOEXEC
     if in_own_pid_namespace():
         # Refused in some containers (a masked /proc): the host's /proc it is, then.
@@ -501,12 +513,19 @@ def _private_mounts(
         with contextlib.suppress(OSError):  # the secret and the pid check still hold
             _libc.mount("sandbx-hidden", real, "tmpfs", flags | _libc.MS_RDONLY, "size=4k,mode=000")
     scratch = box.tmp_root if box.tmp_root and os.path.isdir(box.tmp_root) else "/tmp"
-    if not box.keep_root or box.view is not None:
-        lockdown.mask_secrets(scratch, also=hidden_files)
-    elif hidden_files:
-        lockdown.mask(scratch, hidden_files)
-    lockdown.read_only_kernel_files()
-    lockdown.private_dev_shm()
+    if prepared:
+        if hidden_files:
+            lockdown.mask(scratch, hidden_files)
+        # On the call's own /proc, which covers whatever was made on the template's.
+        lockdown.read_only_kernel_files(prepared_mounts.PER_CALL_READ_ONLY)
+        lockdown.private_dev_shm()  # writable: the call's own, never the prepared one's
+    else:
+        if masks_secrets:
+            lockdown.mask_secrets(scratch, also=hidden_files)
+        elif hidden_files:
+            lockdown.mask(scratch, hidden_files)
+        lockdown.read_only_kernel_files()
+        lockdown.private_dev_shm()
     if ctx is None:
         return True  # a view: no TMPDIR (its /tmp is its own), its workspace is its own
     if box.tmp_root is not None and os.path.isdir(box.tmp_root):
@@ -518,6 +537,15 @@ def _private_mounts(
     if no_symlinks:
         _follow_no_symlinks(ctx.workspace)
     return True
+
+
+def enter_prepared_mounts(call: Call) -> None:
+    """Before a layer's or a change set's overlay is mounted, for a call that runs programs:
+    into a copy of the pool's prepared mounts (workers.prepared_mounts), which the overlay's
+    namespace then copies, so that its confinement does not mask root's secrets again."""
+    box = call.context.sandbox
+    if box.view is None and not box.keep_root:
+        prepared_mounts.enter()
 
 
 def _enter_view(

@@ -49,6 +49,7 @@ from sandbx_pool.workers import (
     immortal,
     lockdown,
     memory_cgroup,
+    prepared_mounts,
     rules,
     runtime,
     sandbox,
@@ -96,6 +97,9 @@ CGROUP_RETRY_S = 0.25
 #: Exit status of a worker that could not leave the template's cgroup.
 EXIT_NO_CGROUP = 71
 
+#: The directory the prepared mounts' masks are made in, covered in their namespace only.
+SCRATCH = "/tmp"
+
 
 #: Set to "subreaper" in the template's environment to use the subreaper fallback even where
 #: PID namespaces are available.
@@ -141,6 +145,8 @@ class Template:
         self.worker_cgroups: dict[int, str] = {}  # worker pid -> its cgroup's name
         self.unremoved: set[str] = set()  # cgroups of reaped workers still to be removed
         self.measure = os.environ.get(USAGE_ENV) != "off"
+        #: The bash calls' prepared mount namespace (workers.prepared_mounts), made at Attach.
+        self.mounts: prepared_mounts.Refresher | None = None
 
     @property
     def containment(self) -> str:
@@ -219,6 +225,10 @@ class Template:
         if self.namespaces is None and message.user_namespaces and not self.forced_subreaper:
             self.namespaces = containment.probe_user_namespaces()
         user_namespace = self.namespaces is not None and self.namespaces.user_namespace
+        if self.mounts is None and not user_namespace:
+            # Root's: what every bash call's mount namespace shares, made once (a user
+            # namespace's worker could not join it, and builds its own).
+            self.mounts = prepared_mounts.Refresher(SCRATCH)
         if (
             self.pids_cgroup is None
             and user_namespace
@@ -246,10 +256,15 @@ class Template:
             gc.collect()  # automatic collection is off (see warm_up)
         # A few stats: a worker whose secrets layer is out of date would build its own.
         rules.preload().refresh_secrets_layer()
+        # The prepared mounts, made again if stale, and the worker's watch on the host's table.
+        mounts = self.mounts.for_fork() if self.mounts is not None else None
         # Reaping between tries: a pid comes back only when its zombie is reaped.
         pid = cgroups.fork_with_backoff(self.fork_once, on_retry=self.reap)
         if pid == 0:
+            prepared_mounts.current = mounts
             self.become_worker(token, cgroup)
+        if mounts is not None:
+            mounts.forked()
         self.workers.add(pid)
         if self.pids_cgroup is not None:
             self.worker_cgroups[pid] = cgroup
