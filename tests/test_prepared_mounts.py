@@ -29,7 +29,7 @@ import pytest
 from conftest import marked_config
 
 from sandbx_pool import Pool, Status
-from sandbx_pool.workers import _libc, prepared_mounts
+from sandbx_pool.workers import libc, prepared_mounts
 
 ROOT = os.geteuid() == 0
 
@@ -135,7 +135,7 @@ def test_a_mount_made_on_the_host_since_makes_it_stale(tmp_path: Path) -> None:
         handle = refresher.for_fork()
         assert handle is not None
         before = refresher.prepared
-        _libc.mount("sbxtest", str(target), "tmpfs", 0, "size=4k")
+        libc.mount("sbxtest", str(target), "tmpfs", 0, "size=4k")
         try:
             entered, namespace = in_child(handle)
             assert not entered  # the worker builds its own instead
@@ -146,7 +146,7 @@ def test_a_mount_made_on_the_host_since_makes_it_stale(tmp_path: Path) -> None:
             assert refresher.prepared is not before
             assert in_child(handle)[0]
         finally:
-            _libc.umount(str(target), _libc.MNT_DETACH)
+            libc.umount(str(target), libc.MNT_DETACH)
             refresher.close()
 
     assert as_template(check) == ""
@@ -188,14 +188,14 @@ async def test_a_host_mount_made_after_the_start_is_seen(workspace: Path) -> Non
     target.mkdir()
     async with a_pool(workspace) as pool:
         await bash(pool, "true")  # workers forked ahead, with the namespace as it was
-        _libc.mount("sbxtest", str(target), "tmpfs", 0, "size=64k")
+        libc.mount("sbxtest", str(target), "tmpfs", 0, "size=64k")
         try:
             (target / "inside").write_text("on the host's new mount\n")
             for _ in range(3):  # those forked before the mount, and after
                 value = await bash(pool, "cat mounted-later/inside")
                 assert value["stdout"] == "on the host's new mount\n", value
         finally:
-            _libc.umount(str(target), _libc.MNT_DETACH)
+            libc.umount(str(target), libc.MNT_DETACH)
 
 
 @needs_prepared
