@@ -28,16 +28,21 @@ import tempfile
 import time
 from pathlib import Path
 
-#: podman's flags on a machine like this one (bench.images_layer says why).
+from bench.images_layer import PODMAN_CGROUPS, PODMAN_RUNTIME
+
+#: podman's flags on a machine like this one, and its runtime (bench.images_layer says why).
 PODMAN_FLAGS = (
     "--network=none",
     "--ulimit=nofile=1024:1024",
     "--ulimit=nproc=1024:1024",
-    "--cgroups=disabled",
+    *PODMAN_CGROUPS,
 )
+PODMAN = ("podman", *PODMAN_RUNTIME)
 #: Why podman gave no figure (set by _podman_ready), printed in its rows.
 PODMAN_UNAVAILABLE: list[str] = []
 PODMAN_IMAGE = "localhost/sandbx-bench-integrations:v1"
+#: The image podman pulled (removed by its id: it keeps its pulled name beside the tag).
+PULLED: list[str] = []
 
 
 def make_image(root: Path) -> str:
@@ -143,10 +148,10 @@ def mini_rows(ref: str, root: Path, samples: int) -> dict[str, list[float]]:
         if podman is None:
             start = time.perf_counter()
             name = f"sbx-bench-{os.getpid()}"
-            _out(["podman", "run", "-d", "--name", name, *PODMAN_FLAGS, PODMAN_IMAGE,
+            _out([*PODMAN, "run", "-d", "--name", name, *PODMAN_FLAGS, PODMAN_IMAGE,
                   "sleep", "7200"])  # fmt: skip
-            _out(["podman", "exec", "-w", "/", name, "bash", "-lc", "true"])
-            _out(["podman", "rm", "-f", "-t", "0", name])
+            _out([*PODMAN, "exec", "-w", "/", name, "bash", "-lc", "true"])
+            _out([*PODMAN, "rm", "-f", "-t", "0", name])
             found["podman (docker env's sequence)"].append(time.perf_counter() - start)
     return found
 
@@ -156,9 +161,10 @@ def _podman_ready(ref: str) -> str | None:
     if shutil.which("podman") is None:
         return "podman is not installed"
     try:
-        image_id = _out(["podman", "pull", "-q", ref]).split()[-1]
-        _out(["podman", "tag", image_id, PODMAN_IMAGE])
-        _out(["podman", "run", "--rm", *PODMAN_FLAGS, PODMAN_IMAGE, "true"])
+        image_id = _out([*PODMAN, "pull", "-q", ref]).split()[-1]
+        PULLED[:] = [image_id]
+        _out([*PODMAN, "tag", image_id, PODMAN_IMAGE])
+        _out([*PODMAN, "run", "--rm", *PODMAN_FLAGS, PODMAN_IMAGE, "true"])
     except subprocess.CalledProcessError as exc:
         reason = (exc.stderr or str(exc)).strip().splitlines()[-1]
         PODMAN_UNAVAILABLE[:] = [reason]
@@ -208,15 +214,15 @@ def harbor_rows(ref: str, root: Path, runs: int) -> dict[str, list[float]]:
         for _ in range(runs):
             start = time.perf_counter()
             name = f"sbx-bench-trial-{os.getpid()}"
-            _out(["podman", "run", "-d", "--name", name, *PODMAN_FLAGS, PODMAN_IMAGE,
+            _out([*PODMAN, "run", "-d", "--name", name, *PODMAN_FLAGS, PODMAN_IMAGE,
                   "sleep", "7200"])  # fmt: skip
             script = root / "tasks" / "t0" / "solution" / "solve.sh"
             for target in ("/solution/solve.sh", "/tests/test.sh"):
-                _out(["podman", "exec", name, "mkdir", "-p", os.path.dirname(target)])
-                _out(["podman", "cp", str(script), f"{name}:{target}"])
+                _out([*PODMAN, "exec", name, "mkdir", "-p", os.path.dirname(target)])
+                _out([*PODMAN, "cp", str(script), f"{name}:{target}"])
             for _ in range(6):
-                _out(["podman", "exec", name, "bash", "-c", "true"])
-            _out(["podman", "rm", "-f", "-t", "0", name])
+                _out([*PODMAN, "exec", name, "bash", "-c", "true"])
+            _out([*PODMAN, "rm", "-f", "-t", "0", name])
             found["podman, one trial's floor"].append(time.perf_counter() - start)
     return found
 
@@ -246,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             "Harbor: oracle job wall time": harbor_rows(ref, root, 2 if args.quick else 3),
         }
     finally:
-        subprocess.run(["podman", "rmi", "-f", PODMAN_IMAGE], capture_output=True, check=False)
+        for image in (PODMAN_IMAGE, *PULLED):
+            subprocess.run([*PODMAN, "rmi", "-f", image], capture_output=True, check=False)
         shutil.rmtree(root, ignore_errors=True)
     print("| what | how | median |\n|---|---|---|")
     for what, found in rows.items():

@@ -177,10 +177,14 @@ def test_the_oracle_passes_prebuilt_built_and_allow_listed_tasks_in_parallel(
         insecure=(image_ref.split("/")[0],),
         extra=f'\n[sandbox.network_hosts]\n"listed.test" = "{LISTED_ADDRESS}"\n',
     )
-    done = _harbor(
-        "-p", str(tasks), "-a", "oracle", "-n", "2", "-e", DOTTED, "--ek", f"config={config}",
-        "-o", str(tmp_path / "jobs"), cwd=tmp_path,
-    )  # fmt: skip
+    try:
+        done = _harbor(
+            "-p", str(tasks), "-a", "oracle", "-n", "2", "-e", DOTTED, "--ek", f"config={config}",
+            "-o", str(tmp_path / "jobs"), cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        # buildah keeps a Dockerfile's FROM image in its own storage; this one is the test's.
+        subprocess.run(["buildah", "rmi", image_ref], capture_output=True, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert _rewards(tmp_path / "jobs") == {"prebuilt": 1.0, "built": 1.0, "allowlisted": 1.0}
     assert sorted(os.listdir(tmp_path / "layers")) == []  # every trial's layer removed
